@@ -1,0 +1,39 @@
+# featurehouse — `make help` lists the targets.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+WAREHOUSE ?= warehouse/featurehouse.duckdb
+SAMPLES ?= samples
+
+.DEFAULT_GOAL := help
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-10s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev,airflow]'
+	touch $@
+
+setup: $(BIN)/.installed ## Create .venv and install featurehouse with its test and Airflow extras
+
+run: setup ## Ingest the bundled sample pages into $(WAREHOUSE) and print the summary
+	$(BIN)/featurehouse ingest $(SAMPLES) --warehouse $(WAREHOUSE)
+	$(BIN)/featurehouse status --warehouse $(WAREHOUSE) -n 3
+
+test: setup ## Run the whole test suite (fails if no test is collected)
+	@set +e; $(BIN)/pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; exit $$rc
+
+lint: setup ## Lint and check formatting with ruff
+	$(BIN)/ruff check pipeline dags tests bench
+
+bench: setup ## Benchmark ingest against DuckDB read_json on N synthetic pages (N=1000)
+	$(BIN)/python bench/run_bench.py --n $${N:-1000}
+
+clean: ## Remove the virtualenv, the local warehouse and test output
+	rm -rf $(VENV) warehouse reports test-output bench/out
+
+.PHONY: help setup run test lint bench clean

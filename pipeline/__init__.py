@@ -1,0 +1,12 @@
+"""featurehouse: Neuronpedia feature pages into a DuckDB warehouse.
+
+Stages, one module each: receive → land → parse → validate → load → materialise → report.
+"""
+
+from .config import Settings
+from .ingest import RunSummary, ingest
+from .materialise import refresh as materialise
+from .parse import Rejected, parse_bytes
+
+__all__ = ["Settings", "RunSummary", "ingest", "materialise", "Rejected", "parse_bytes"]
+__version__ = "0.1.0"

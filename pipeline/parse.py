@@ -1,0 +1,488 @@
+"""Parse stage: detect an input's shape from its content and turn it into typed records.
+
+Shapes: API JSON (one feature object, or an array of them), the page's flight text, a saved
+HTML page carrying flight chunks, bulk-export JSON lines, and any of these gzip-compressed.
+Anything else is refused with :class:`Rejected`, whose message says what was wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import zlib
+from datetime import datetime, timezone
+from typing import Any
+
+import jsonschema
+import orjson
+
+from . import flight
+from .config import SCHEMAS_DIR, Settings
+from .records import (
+    Activation,
+    Explanation,
+    Feature,
+    InputFormat,
+    Model,
+    ParsedInput,
+    Source,
+    SourceSet,
+)
+
+__all__ = ["Rejected", "parse_bytes", "gunzip_limited"]
+
+
+class Rejected(ValueError):
+    "The input is not a usable feature page; the message says why, for a person to act on."
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_WS = b" \t\r\n\xef\xbb\xbf"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def gunzip_limited(data: bytes, limit: int) -> bytes:
+    """Decompress gzip bytes (all members), refusing to produce more than ``limit`` bytes."""
+    out = bytearray()
+    rest = data
+    while rest:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            while True:
+                chunk = d.decompress(rest, 1 << 20)
+                out += chunk
+                if len(out) > limit:
+                    raise Rejected(
+                        f"gzip input expands past the {_fmt_bytes(limit)} limit "
+                        "(FEATUREHOUSE_MAX_DECOMPRESSED_BYTES); refused as a possible gzip bomb"
+                    )
+                rest = d.unconsumed_tail
+                if not rest or d.eof:
+                    break
+        except zlib.error as exc:
+            raise Rejected(f"gzip data is corrupt ({exc}); re-download or re-export the file") from exc
+        if not d.eof:
+            raise Rejected(
+                f"gzip stream is truncated: it ended after {_fmt_bytes(len(out))} of output "
+                "without its end marker; the file was cut short in transfer"
+            )
+        rest = d.unused_data.lstrip(b"\x00")
+        if rest and not rest.startswith(_GZIP_MAGIC):
+            raise Rejected("gzip file has trailing bytes that are not another gzip member")
+    return bytes(out)
+
+
+def _utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise Rejected(
+            f"{what} is not valid UTF-8 (bad byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            "it may be in another encoding or binary"
+        ) from exc
+
+
+def _json_error(exc: Exception, what: str) -> Rejected:
+    msg = str(exc)
+    if "recursion" in msg.lower():
+        return Rejected(f"{what} is nested deeper than 1024 levels; refused rather than parsed")
+    if "unexpected end of data" in msg.lower() or "EOF" in msg:
+        return Rejected(f"{what} is truncated: {msg}")
+    return Rejected(f"{what} is not valid JSON: {msg}")
+
+
+def parse_bytes(data: bytes, settings: Settings | None = None) -> ParsedInput:
+    """Detect the shape of ``data`` from its content and parse it into records.
+
+    Raises :class:`Rejected` with a reason a person can act on when the input is not a feature
+    page or is broken. Gzip is undone first, within ``settings.max_decompressed_bytes``.
+    """
+    settings = settings or Settings()
+    prefix = ""
+    for _ in range(3):
+        if not data.startswith(_GZIP_MAGIC):
+            break
+        data = gunzip_limited(data, settings.max_decompressed_bytes)
+        prefix = "gzip+"
+    body = data.lstrip(_WS)
+    if not body:
+        raise Rejected("input is empty" + (" after gunzip" if prefix else "") + ": there is nothing to parse")
+    head = body[:1]
+    if head in (b"{", b"["):
+        parsed = _parse_json(body)
+    elif b"self.__next_f.push(" in body:
+        parsed = _parse_html(body)
+    elif flight.looks_like_flight(body):
+        parsed = _parse_flight(body)
+    elif body[:200].lower().lstrip().startswith((b"<!doctype", b"<html")):
+        raise Rejected(
+            "HTML page without Neuronpedia's __next_f flight data: not a saved feature page "
+            "(save the page after it has loaded, or fetch it through the API)"
+        )
+    else:
+        sample = body[:60].decode("utf-8", "replace").replace("\n", " ")
+        raise Rejected(
+            "not a Neuronpedia feature page: it is neither JSON, flight text nor a saved "
+            f"Neuronpedia HTML page (it starts with {sample!r})"
+        )
+    parsed.format = InputFormat(parsed.format)
+    if prefix:
+        parsed.format = f"{prefix}{parsed.format.value}"  # type: ignore[assignment]
+    return parsed
+
+
+def _parse_json(body: bytes) -> ParsedInput:
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        if body[:1] == b"{" and b"\n" in body.rstrip(_WS) and "trailing" in str(exc).lower():
+            return _parse_jsonl(body)
+        _utf8(body, "JSON input")
+        raise _json_error(exc, "JSON input") from exc
+    parsed = ParsedInput(InputFormat.API_JSON)
+    if isinstance(obj, dict) and "features" in obj and isinstance(obj["features"], list):
+        obj = obj["features"]
+    pages = obj if isinstance(obj, list) else [obj]
+    if not pages:
+        raise Rejected("JSON array holds no features")
+    for i, page in enumerate(pages):
+        where = "JSON input" if len(pages) == 1 else f"item {i} of the JSON array"
+        _add_page(parsed, page, where)
+    return parsed
+
+
+def _parse_flight(body: bytes) -> ParsedInput:
+    try:
+        rows = flight.parse_rows(body)
+        found, page = flight.find_key(rows, "initialNeuron")
+    except flight.FlightError as exc:
+        raise Rejected(f"flight text is broken: {exc}") from exc
+    except (orjson.JSONDecodeError, RecursionError) as exc:
+        raise _json_error(exc, "flight row") from exc
+    if not found:
+        raise Rejected(
+            f"flight text with {len(rows)} row(s) carries no initialNeuron: not a feature page "
+            "(was another Neuronpedia page saved?)"
+        )
+    if page is None:
+        raise Rejected("the page's initialNeuron is empty: Neuronpedia has no such feature")
+    parsed = ParsedInput(InputFormat.FLIGHT)
+    _add_page(parsed, page, "initialNeuron")
+    return parsed
+
+
+def _parse_html(body: bytes) -> ParsedInput:
+    html = _utf8(body, "HTML page")
+    try:
+        text = flight.html_to_flight(html)
+    except flight.FlightError as exc:
+        raise Rejected(f"saved HTML page is broken: {exc}") from exc
+    if not text.strip():
+        raise Rejected("saved HTML page has __next_f chunks but no flight text in them")
+    parsed = _parse_flight(text)
+    parsed.format = InputFormat.HTML
+    return parsed
+
+
+@functools.lru_cache(maxsize=1)
+def _page_validator() -> jsonschema.Draft202012Validator:
+    schema = json.loads((SCHEMAS_DIR / "feature_page.schema.json").read_text())
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _add_page(parsed: ParsedInput, page: Any, where: str) -> None:
+    if not isinstance(page, dict):
+        raise Rejected(f"{where} is a JSON {type(page).__name__}, not a feature object")
+    if "error" in page and not {"modelId", "layer", "index"} & page.keys():
+        raise Rejected(f"Neuronpedia answered with an error instead of a feature: {page['error']!r}")
+    if not {"modelId", "layer", "index"} <= page.keys():
+        keys = ", ".join(sorted(page)[:8]) or "none"
+        raise Rejected(
+            f"{where} is not a Neuronpedia feature: it lacks modelId/layer/index (its keys: {keys})"
+        )
+    err = jsonschema.exceptions.best_match(_page_validator().iter_errors(page))
+    if err is not None:
+        path = ".".join(str(p) for p in err.absolute_path) or "(page)"
+        if path == "index":
+            raise Rejected(f"feature index {page['index']!r} is not a number")
+        raise Rejected(f"{where} does not match the feature page schema at {path}: {err.message}")
+    model_id, source_id = page["modelId"], page["layer"]
+    index = int(page["index"])
+    key = f"{model_id}/{source_id}/{index}"
+    parsed.features.append(_feature(page, model_id, source_id, index))
+    if isinstance(page.get("model"), dict):
+        parsed.models.append(_model(page["model"]))
+    if isinstance(page.get("source"), dict):
+        parsed.sources.append(_source(page["source"], model_id))
+    if isinstance(page.get("sourceSet"), dict):
+        parsed.source_sets.append(_source_set(page["sourceSet"], model_id))
+    for a in page.get("activations") or ():
+        parsed.activations.append(_activation(a, key))
+    for e in page.get("explanations") or ():
+        parsed.explanations.append(_explanation(e, model_id, source_id, index))
+
+
+# --- bulk export JSON lines -------------------------------------------------------------
+
+
+def _parse_jsonl(body: bytes) -> ParsedInput:
+    parsed = ParsedInput(InputFormat.EXPORT_JSONL)
+    for n, line in enumerate(body.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise _json_error(exc, f"line {n} of the JSON lines") from exc
+        if not isinstance(row, dict):
+            raise Rejected(f"line {n} of the JSON lines is not an object")
+        _add_export_row(parsed, row, n)
+    return parsed
+
+
+def _export_key(row: dict, n: int) -> tuple[str | None, str | None, int | None]:
+    index = row.get("index")
+    try:
+        idx = None if index is None else int(index)
+    except (TypeError, ValueError):
+        raise Rejected(f"line {n}: feature index {index!r} is not a number") from None
+    if isinstance(index, float) and not index.is_integer():
+        raise Rejected(f"line {n}: feature index {index!r} is not a whole number")
+    return row.get("modelId"), row.get("layer"), idx
+
+
+def _add_export_row(parsed: ParsedInput, row: dict, n: int) -> None:
+    keys = row.keys()
+    if "tokens" in keys or "values" in keys:
+        model_id, source_id, idx = _export_key(row, n)
+        parsed.activations.append(_activation(row, None))
+    elif "description" in keys and "layer" in keys:
+        model_id, source_id, idx = _export_key(row, n)
+        parsed.explanations.append(_explanation(row, model_id, source_id, idx))
+    elif "layer" in keys and "index" in keys:
+        model_id, source_id, idx = _export_key(row, n)
+        parsed.features.append(_feature(row, model_id, source_id, idx))
+    elif "setName" in keys and "id" in keys:
+        parsed.sources.append(_source(row, row.get("modelId")))
+    elif "name" in keys and "modelId" in keys:
+        parsed.source_sets.append(_source_set(row, row["modelId"]))
+    elif "id" in keys and ({"displayName", "layers", "tlensId", "owner"} & keys):
+        parsed.models.append(_model(row))
+    else:
+        raise Rejected(
+            f"line {n} is neither a feature, activation, explanation, model, source nor "
+            f"source-set row (its keys: {', '.join(sorted(keys)[:8])})"
+        )
+
+
+# --- field coercion ---------------------------------------------------------------------
+
+
+def _ts(v: Any) -> datetime | None:
+    if isinstance(v, datetime):
+        dt = v
+    elif isinstance(v, str) and v:
+        s = v[2:] if v.startswith("$D") else v
+        try:
+            dt = datetime.fromisoformat(s.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    else:
+        return None
+    if dt.tzinfo is not None:
+        dt = dt.astimezone(timezone.utc).replace(tzinfo=None)
+    return dt
+
+
+def _num(v: Any) -> float | None:
+    t = type(v)
+    if t is float:
+        return v
+    if t is int:
+        return float(v)
+    if isinstance(v, str) and v in ("$I", "$Infinity", "$-Infinity", "$N", "$NaN"):
+        return {"$I": math.inf, "$Infinity": math.inf, "$-Infinity": -math.inf}.get(v, math.nan)
+    return None
+
+
+def _int(v: Any) -> int | None:
+    if type(v) is int:
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    if isinstance(v, str) and v.lstrip("-").isdigit():
+        return int(v)
+    return None
+
+
+_NUMBER_TYPES = {float, int}
+
+
+def _floats(v: Any) -> list[float] | None:
+    """A list of numbers; elements that are not numbers become NaN (validation refuses them)."""
+    if not isinstance(v, list):
+        return None
+    if set(map(type, v)) <= _NUMBER_TYPES:  # the common case: leave the list as parsed
+        return v
+    out = []
+    for x in v:
+        if x is None:
+            out.append(None)
+        else:
+            f = _num(x)
+            out.append(math.nan if f is None else f)
+    return out
+
+
+def _strs(v: Any) -> list[str] | None:
+    if not isinstance(v, list):
+        return None
+    return [x if type(x) is str else (None if x is None else str(x)) for x in v]
+
+
+def _str(v: Any) -> str | None:
+    if v is None:
+        return None
+    return v if isinstance(v, str) else str(v)
+
+
+def _json(v: Any) -> str | None:
+    if v is None:
+        return None
+    return orjson.dumps(v, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+_FEATURE_COLUMNS = {
+    "modelId", "layer", "index", "sourceSetName", "maxActApprox", "frac_nonzero", "pos_str",
+    "pos_values", "neg_str", "neg_values", "hookName", "hasVector", "creatorId", "createdAt",
+}
+_FEATURE_RELATIONS = {"model", "source", "sourceSet", "activations", "explanations", "lists", "creator", "comments"}
+
+
+def _feature(p: dict, model_id: Any, source_id: Any, index: int | None) -> Feature:
+    extra = {k: v for k, v in p.items() if k not in _FEATURE_COLUMNS and k not in _FEATURE_RELATIONS}
+    return Feature(
+        model_id=_str(model_id),
+        source_id=_str(source_id),
+        feature_index=index,
+        source_set_name=_str(p.get("sourceSetName")),
+        max_act_approx=_num(p.get("maxActApprox")),
+        frac_nonzero=_num(p.get("frac_nonzero")),
+        pos_str=_strs(p.get("pos_str")),
+        pos_values=_floats(p.get("pos_values")),
+        neg_str=_strs(p.get("neg_str")),
+        neg_values=_floats(p.get("neg_values")),
+        hook_name=_str(p.get("hookName")),
+        has_vector=p.get("hasVector") if isinstance(p.get("hasVector"), bool) else None,
+        creator_id=_str(p.get("creatorId")),
+        created_at=_ts(p.get("createdAt")),
+        extra=_json(extra),
+        raw={k: v for k, v in p.items() if k not in _FEATURE_RELATIONS},
+    )
+
+
+def _activation(a: Any, page_key: str | None) -> Activation:
+    if not isinstance(a, dict):
+        a = {"value": a}
+    model_id, source_id, idx = a.get("modelId"), a.get("layer"), _int(a.get("index"))
+    key = f"{model_id}/{source_id}/{idx}"
+    return Activation(
+        activation_id=_str(a.get("id")) or None,
+        model_id=_str(model_id),
+        source_id=_str(source_id),
+        feature_index=idx,
+        data_source=_str(a.get("dataSource")),
+        data_index=_str(a.get("dataIndex")),
+        tokens=_strs(a.get("tokens")),
+        values=_floats(a.get("values")),
+        max_value=_num(a.get("maxValue")),
+        max_value_token_index=_int(a.get("maxValueTokenIndex")),
+        min_value=_num(a.get("minValue")),
+        dfa_values=_floats(a.get("dfaValues")),
+        dfa_target_index=_int(a.get("dfaTargetIndex")),
+        dfa_max_value=_num(a.get("dfaMaxValue")),
+        loss_values=_floats(a.get("lossValues")),
+        logit_contributions=(
+            a["logitContributions"] if isinstance(a.get("logitContributions"), str)
+            else _json(a.get("logitContributions"))
+        ),
+        bin_min=_num(a.get("binMin")),
+        bin_max=_num(a.get("binMax")),
+        bin_contains=_num(a.get("binContains")),
+        qualifying_token_index=_int(a.get("qualifyingTokenIndex")),
+        creator_id=_str(a.get("creatorId")),
+        created_at=_ts(a.get("createdAt")),
+        page_key=page_key if page_key is not None else key,
+        raw=a,
+    )
+
+
+def _explanation(e: Any, model_id: Any, source_id: Any, index: int | None) -> Explanation:
+    if not isinstance(e, dict):
+        e = {"value": e}
+    return Explanation(
+        explanation_id=_str(e.get("id")) or None,
+        model_id=_str(e.get("modelId", model_id)),
+        source_id=_str(e.get("layer", source_id)),
+        feature_index=_int(e["index"]) if "index" in e else index,
+        description=_str(e.get("description")),
+        explanation_model=_str(e.get("explanationModelName")),
+        type_name=_str(e.get("typeName")),
+        author_id=_str(e.get("authorId")),
+        scores=_json(e.get("scores")),
+        created_at=_ts(e.get("createdAt")),
+        raw=e,
+    )
+
+
+def _model(m: dict) -> Model:
+    core = {"id", "displayName", "owner", "tlensId", "layers", "dimension", "createdAt", "updatedAt"}
+    return Model(
+        model_id=_str(m.get("id")) or "",
+        display_name=_str(m.get("displayName")),
+        owner=_str(m.get("owner")),
+        tlens_id=_str(m.get("tlensId")),
+        n_layers=_int(m.get("layers")),
+        dimension=_int(m.get("dimension")),
+        created_at=_ts(m.get("createdAt")),
+        updated_at=_ts(m.get("updatedAt")),
+        extra=_json({k: v for k, v in m.items() if k not in core}),
+    )
+
+
+def _source(s: dict, model_id: Any) -> Source:
+    core = {"id", "modelId", "setName", "hfRepoId", "hfFolderId", "dataset", "num_tokens_in_prompt", "createdAt"}
+    return Source(
+        model_id=_str(s.get("modelId", model_id)) or "",
+        source_id=_str(s.get("id")) or "",
+        source_set_name=_str(s.get("setName")),
+        hf_repo_id=_str(s.get("hfRepoId")),
+        hf_folder_id=_str(s.get("hfFolderId")),
+        dataset=_str(s.get("dataset")),
+        num_tokens_in_prompt=_int(s.get("num_tokens_in_prompt")),
+        created_at=_ts(s.get("createdAt")),
+        extra=_json({k: v for k, v in s.items() if k not in core}),
+    )
+
+
+def _source_set(s: dict, model_id: Any) -> SourceSet:
+    core = {"modelId", "name", "description", "type", "creatorName", "releaseName", "urls", "createdAt"}
+    return SourceSet(
+        model_id=_str(s.get("modelId", model_id)) or "",
+        source_set_name=_str(s.get("name")) or "",
+        description=_str(s.get("description")),
+        type_name=_str(s.get("type")),
+        creator_name=_str(s.get("creatorName")),
+        release_name=_str(s.get("releaseName")),
+        urls=_strs(s.get("urls")),
+        created_at=_ts(s.get("createdAt")),
+        extra=_json({k: v for k, v in s.items() if k not in core}),
+    )

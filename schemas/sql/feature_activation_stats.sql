@@ -1,0 +1,60 @@
+-- feature_activation_stats: one row per (model_id, source_id, feature_index, data_source).
+-- A NULL data_source is its own group. Computed for the features listed in the temp table
+-- changed_features(model_id, source_id, feature_index); the caller replaces their rows.
+WITH source AS (
+    SELECT a.*
+    FROM activations AS a
+    SEMI JOIN changed_features AS c USING (model_id, source_id, feature_index)
+),
+
+per_excerpt AS (
+    SELECT
+        model_id, source_id, feature_index, data_source,
+        max_value,
+        len(tokens)                                           AS n_tokens,
+        len(list_filter("values", x -> x > 0))                AS n_active_tokens,
+        coalesce(list_sum(list_filter("values", x -> x > 0)), 0) AS sum_active
+    FROM source
+),
+
+token_best AS (
+    SELECT model_id, source_id, feature_index, data_source, token, max(value) AS best
+    FROM (
+        SELECT model_id, source_id, feature_index, data_source,
+               unnest(tokens) AS token, unnest("values") AS value
+        FROM source
+    )
+    WHERE value > 0
+    GROUP BY ALL
+),
+
+top AS (
+    SELECT model_id, source_id, feature_index, data_source,
+           max_by({'token': token, 'activation': best}, best, 10) AS top_tokens
+    FROM token_best
+    GROUP BY ALL
+),
+
+per_group AS (
+    SELECT
+        model_id, source_id, feature_index, data_source,
+        count(*)                                    AS n_examples,
+        sum(n_tokens)                               AS n_tokens,
+        sum(n_active_tokens)                        AS n_active_tokens,
+        sum(n_active_tokens) / nullif(sum(n_tokens), 0) AS active_token_fraction,
+        max(max_value)                              AS max_activation,
+        avg(max_value)                              AS mean_max_activation,
+        sum(sum_active) / nullif(sum(n_active_tokens), 0) AS mean_active_activation
+    FROM per_excerpt
+    GROUP BY ALL
+)
+
+SELECT
+    g.*,
+    coalesce(t.top_tokens, []) AS top_tokens,
+    now()::TIMESTAMP           AS refreshed_at
+FROM per_group AS g
+LEFT JOIN top AS t
+    ON  t.model_id = g.model_id AND t.source_id = g.source_id
+    AND t.feature_index = g.feature_index
+    AND t.data_source IS NOT DISTINCT FROM g.data_source
