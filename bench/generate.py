@@ -1,0 +1,102 @@
+"""Synthetic Neuronpedia API-JSON feature pages shaped like the real seed page.
+
+New keys (feature index, activation and explanation ids), perturbed values, same structure and
+size. Deterministic for a given seed, so tests and benchmarks can regenerate them.
+
+    python -m bench.generate --n 1000 --out bench/out/pages
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import random
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import orjson
+
+from pipeline import flight
+
+SEED_PAGE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "000_e9e35889d0228029.txt"
+
+
+def _iso(v):
+    if isinstance(v, datetime):
+        return v.strftime("%Y-%m-%dT%H:%M:%S.") + f"{v.microsecond // 1000:03d}Z"
+    raise TypeError(type(v))
+
+
+@functools.lru_cache(maxsize=1)
+def seed_page() -> dict:
+    """The real seed feature page as the API would send it (dates as ISO strings)."""
+    rows = flight.parse_rows(SEED_PAGE.read_bytes())
+    found, page = flight.find_key(rows, "initialNeuron")
+    assert found
+    return orjson.loads(orjson.dumps(page, default=_iso))
+
+
+def _ident(rng: random.Random) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(24))
+
+
+def synthetic_page(index: int, *, seed: int = 0, model: str = "gpt-oss-20b",
+                   source: str = "11-resid-post-aa", valid: bool = True) -> dict:
+    """One API-JSON page for feature ``index``. With ``valid`` every record passes validation
+    (the seed's one bad activation is repaired); otherwise the seed's defect is kept."""
+    rng = random.Random(f"{seed}:{model}:{source}:{index}")
+    base = seed_page()
+    page = copy.deepcopy(base)
+    page["modelId"], page["layer"], page["index"] = model, source, str(index)
+    scale = rng.uniform(0.2, 1.5)
+    page["maxActApprox"] = round(base["maxActApprox"] * scale, 4)
+    page["frac_nonzero"] = min(1.0, base["frac_nonzero"] * rng.uniform(0.1, 10))
+    if isinstance(page.get("source"), dict):
+        page["source"]["id"], page["source"]["modelId"] = source, model
+    data_sources = ["Chat", "Non-Chat", None]
+    for a in page["activations"]:
+        a["id"] = _ident(rng)
+        a["modelId"], a["layer"], a["index"] = model, source, str(index)
+        n = min(len(a["tokens"]), len(a["values"])) if valid else len(a["values"])
+        if valid:
+            a["tokens"] = a["tokens"][:n]
+        a["values"] = [round(v * scale, 5) if v else v for v in a["values"][:n]]
+        a["maxValue"] = max(a["values"]) if a["values"] else 0
+        a["maxValueTokenIndex"] = a["values"].index(a["maxValue"]) if a["values"] else 0
+        if rng.random() < 0.1:
+            a["dataSource"] = rng.choice(data_sources)
+    for e in page["explanations"]:
+        e["id"] = _ident(rng)
+    return page
+
+
+def synthetic_pages(n: int, *, start: int = 0, seed: int = 0, **kw) -> Iterator[dict]:
+    for i in range(start, start + n):
+        yield synthetic_page(i, seed=seed, **kw)
+
+
+def write_pages(n: int, out: Path, *, start: int = 0, seed: int = 0) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for page in synthetic_pages(n, start=start, seed=seed):
+        p = out / f"{page['modelId']}__{page['layer']}__{page['index']}.json"
+        p.write_bytes(orjson.dumps(page))
+        paths.append(p)
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1000)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("bench/out/pages"))
+    a = ap.parse_args()
+    paths = write_pages(a.n, a.out, start=a.start, seed=a.seed)
+    print(f"wrote {len(paths)} pages to {a.out}")
+
+
+if __name__ == "__main__":
+    main()
