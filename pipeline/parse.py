@@ -147,6 +147,15 @@ def _parse_json(body: bytes) -> ParsedInput:
             return _parse_jsonl(body)
         _utf8(body, "JSON input")
         raise _json_error(exc, "JSON input") from exc
+    if isinstance(obj, dict) and (
+        not {"modelId", "layer", "index"} <= obj.keys() or {"tokens", "values", "description"} & obj.keys()
+    ):
+        # A one-line export file (model.jsonl, source.jsonl, a one-row activations batch) is
+        # also one JSON object: read it as an export row when it is one.
+        try:
+            return _parse_jsonl(body)
+        except Rejected:
+            pass
     parsed = ParsedInput(InputFormat.API_JSON)
     if isinstance(obj, dict) and "features" in obj and isinstance(obj["features"], list):
         obj = obj["features"]
