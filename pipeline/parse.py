@@ -363,10 +363,23 @@ def _str(v: Any) -> str | None:
     return v if isinstance(v, str) else str(v)
 
 
+def _json_default(v: Any) -> Any:
+    if isinstance(v, datetime):
+        # Written as the API writes dates (JavaScript's toISOString), so that a flight "$D" date
+        # in an extra field stores the same text as the API JSON's string.
+        if v.tzinfo is not None:
+            v = v.astimezone(timezone.utc).replace(tzinfo=None)
+        frac = f"{v.microsecond // 1000:03d}" if v.microsecond % 1000 == 0 else f"{v.microsecond:06d}"
+        return v.strftime("%Y-%m-%dT%H:%M:%S.") + frac + "Z"
+    return str(v)
+
+
 def _json(v: Any) -> str | None:
     if v is None:
         return None
-    return orjson.dumps(v, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+    return orjson.dumps(
+        v, default=_json_default, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATETIME
+    ).decode()
 
 
 _FEATURE_COLUMNS = {

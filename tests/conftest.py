@@ -1,0 +1,142 @@
+"""Shared fixtures: the seed captures, read independently of the pipeline, and warehouses in tmp_path."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from pipeline.config import Settings
+from tests.formats import UNDEFINED, parse_js_iso
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SEED_FLIGHT = FIXTURES / "000_e9e35889d0228029.txt"
+SEED_NOT_A_PAGE = FIXTURES / "002_cdcf7f83dd4b10f8.txt"
+#: The seed activation whose tokens (986) and values (992) differ in length.
+BAD_ACTIVATION = "d8mimkvxz30oar3222exnhh6"
+
+#: Columns that say when and from where a row was loaded, not what it holds.
+META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quarantined_at", "received_at")
+
+
+def _find(obj, key):
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        children = obj.values()
+    elif isinstance(obj, list):
+        children = obj
+    else:
+        return None
+    for child in children:
+        found = _find(child, key)
+        if found is not None:
+            return found
+    return None
+
+
+def _undo_flight(v):
+    """The seed's initialNeuron uses only $D dates and $undefined; anything else is a surprise."""
+    if isinstance(v, str) and v.startswith("$"):
+        if v.startswith("$D"):
+            return parse_js_iso(v[2:])
+        if v == "$undefined":
+            return UNDEFINED
+        raise AssertionError(f"unexpected flight encoding in the seed page: {v[:20]!r}")
+    if isinstance(v, dict):
+        return {k: x for k, x in ((k, _undo_flight(x)) for k, x in v.items()) if x is not UNDEFINED}
+    if isinstance(v, list):
+        return [_undo_flight(x) for x in v]
+    return v
+
+
+@functools.lru_cache(maxsize=1)
+def _seed_page() -> dict:
+    first_line = SEED_FLIGHT.read_bytes().split(b"\n", 1)[0]
+    assert first_line.startswith(b"8:")
+    page = _find(json.loads(first_line[2:]), "initialNeuron")
+    assert isinstance(page, dict)
+    return _undo_flight(page)
+
+
+@pytest.fixture
+def seed_page() -> dict:
+    """The seed's feature page as a plain dict (dates as datetimes), read with json, not our parser."""
+    return copy.deepcopy(_seed_page())
+
+
+def seed_page_copy() -> dict:
+    return copy.deepcopy(_seed_page())
+
+
+def good_page(index: int = 7, *, model: str = "gpt-oss-20b", source: str = "11-resid-post-aa") -> dict:
+    """A small page that passes every expectation: 3 activations (Chat, Non-Chat, NULL source)."""
+    key = {"modelId": model, "layer": source, "index": str(index)}
+    acts = []
+    for i, (ds, values) in enumerate([
+        ("Chat", [0.0, 1.5, 3.25, 0.0]),
+        ("Non-Chat", [2.0, 0.0, 0.0]),
+        (None, [0.0, 0.5]),
+    ]):
+        mx = max(values)
+        acts.append({
+            "id": f"act-{model}-{source}-{index}-{i}", **key, "dataSource": ds,
+            "tokens": [f"t{i}_{j}" for j in range(len(values))], "values": values,
+            "maxValue": mx, "maxValueTokenIndex": values.index(mx), "minValue": min(values),
+            "dfaValues": [], "lossValues": [], "binMin": -1, "binMax": -1, "binContains": -1,
+            "createdAt": datetime(2025, 9, 24, 4, 45, 9, 601000),
+        })
+    return {
+        **key, "sourceSetName": "resid-post-aa", "maxActApprox": 3.25, "frac_nonzero": 0.001,
+        "pos_str": ["a", "b"], "pos_values": [0.1, 0.05], "neg_str": ["c"], "neg_values": [-0.1],
+        "hookName": None, "hasVector": False, "createdAt": datetime(2025, 9, 24, 4, 30, 34, 656000),
+        "model": {"id": model, "displayName": model.upper(), "layers": 24, "dimension": 2880, "owner": "OpenAI"},
+        "source": {"id": source, "modelId": model, "setName": "resid-post-aa", "num_tokens_in_prompt": 1024},
+        "sourceSet": {"modelId": model, "name": "resid-post-aa", "description": "Resid Post", "urls": ["https://x"]},
+        "activations": acts,
+        "explanations": [{"id": f"exp-{model}-{source}-{index}", "description": "cpu things",
+                          "explanationModelName": "gemini-2.0-flash", "typeName": "np_max-act", "scores": []}],
+    }
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(warehouse=tmp_path / "wh" / "featurehouse.duckdb")
+
+
+def query(warehouse: Path, sql: str, params=None) -> list[tuple]:
+    with duckdb.connect(str(warehouse), read_only=True) as conn:
+        return conn.execute(sql, params or []).fetchall()
+
+
+def table_rows(warehouse: Path, table: str, exclude: tuple[str, ...] = META_COLUMNS) -> list[tuple]:
+    """Every row of ``table`` without its load metadata, in a stable order."""
+    with duckdb.connect(str(warehouse), read_only=True) as conn:
+        cols = [c for (c,) in conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position",
+            [table]).fetchall() if c not in exclude]
+        sel = ", ".join(f'"{c}"' for c in cols)
+        return conn.execute(f"SELECT {sel} FROM {table} ORDER BY ALL").fetchall()
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def run_ingest(inputs, settings: Settings, **kw):
+    """``pipeline.ingest`` without the HTML report (another stage, tested on its own)."""
+    import inspect
+
+    from pipeline.ingest import ingest
+
+    if "report_after" in inspect.signature(ingest).parameters:
+        kw.setdefault("report_after", False)
+    kw.setdefault("progress", False)
+    return ingest(inputs, settings, **kw)
