@@ -143,7 +143,8 @@ def _parse_json(body: bytes) -> ParsedInput:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        if body[:1] == b"{" and b"\n" in body.rstrip(_WS) and "trailing" in str(exc).lower():
+        msg = str(exc).lower()  # orjson ≥ 3.10 says "unexpected content after document"
+        if body[:1] == b"{" and b"\n" in body.rstrip(_WS) and ("trailing" in msg or "after document" in msg):
             return _parse_jsonl(body)
         _utf8(body, "JSON input")
         raise _json_error(exc, "JSON input") from exc
