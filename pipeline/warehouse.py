@@ -18,7 +18,7 @@ class WarehouseMissing(FileNotFoundError):
 def _ddl() -> str:
     return "\n".join(
         (SCHEMAS_DIR / "sql" / name).read_text()
-        for name in ("warehouse.sql", "stats_tables.sql")
+        for name in ("warehouse.sql", "stats_tables.sql", "fetch.sql")
     )
 
 
