@@ -1,0 +1,325 @@
+"""What the nightly run fetches: ``featurehouse.toml`` read into a typed plan, split into chunks.
+
+The plan is library code so that it can be tested without Airflow: the nightly DAG calls
+:func:`load_plan`, then :func:`chunks` to get the list its fetch task is mapped over, then
+:func:`fetch_chunk` inside each mapped task. Everything a chunk needs travels in a small dict.
+
+Every setting in the file can be overridden by an environment variable, so that tests and
+deployments point the same file at another server or folder:
+
+=================================  ====================================
+``FEATUREHOUSE_CONFIG``            path of the toml file itself
+``FEATUREHOUSE_SCHEDULE``          ``[schedule] cron``
+``FEATUREHOUSE_WAREHOUSE``         ``[paths] warehouse``
+``FEATUREHOUSE_INBOX``             ``[paths] inbox``
+``FEATUREHOUSE_INBOX_SETTLE_SECONDS``  ``[inbox] settle_seconds``
+``NEURONPEDIA_BASE_URL``           ``[neuronpedia] base_url``
+``NEURONPEDIA_EXPORTS_URL``        ``[neuronpedia] exports_url``
+=================================  ====================================
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = [
+    "ConfigError",
+    "SourcePlan",
+    "Plan",
+    "DEFAULT_CONFIG",
+    "load_plan",
+    "chunks",
+    "window_for",
+    "run_id_for",
+    "fetch_chunk",
+]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "featurehouse.toml"
+DEFAULT_SCHEDULE = "0 3 * * *"
+DEFAULT_MAX_MAP_LENGTH = 1024
+"""Airflow's ``[core] max_map_length`` default: a mapped task may expand to at most this many."""
+
+
+class ConfigError(ValueError):
+    "featurehouse.toml is missing, unreadable, or names something it cannot mean."
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """One source (SAE) to fetch, either by feature index through the API or whole via exports."""
+
+    model: str
+    """Neuronpedia model id, e.g. ``gpt-oss-20b``."""
+    source: str
+    """Source id within the model, e.g. ``11-resid-post-aa``."""
+    via: str = "api"
+    """``api`` (feature pages by index) or ``exports`` (the bulk bucket, the whole source)."""
+    ranges: tuple[tuple[int, int], ...] = ()
+    """Half-open index ranges ``(start, stop)`` to fetch through the API."""
+    all_features: bool = False
+    """Page through every feature of the source with ``features-offset`` instead of ranges."""
+    batches: tuple[int, int] | None = None
+    """Exports only: the half-open range of batch numbers; None means every batch."""
+
+    @property
+    def n_indices(self) -> int:
+        return sum(stop - start for start, stop in self.ranges)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the nightly and inbox DAGs read from ``featurehouse.toml`` (after env overrides)."""
+
+    config_path: Path
+    """The file this plan was read from."""
+    schedule: str = DEFAULT_SCHEDULE
+    """Cron expression for the nightly run, in UTC."""
+    warehouse: Path = Path("warehouse/featurehouse.duckdb")
+    """DuckDB file; relative paths are taken from the config file's folder."""
+    inbox: Path = Path("inbox")
+    """Folder the inbox DAG drains; relative paths are taken from the config file's folder."""
+    inbox_settle_seconds: float = 30.0
+    """A file in the inbox is left alone until it has not changed for this long (still being copied)."""
+    base_url: str = "https://www.neuronpedia.org"
+    """Neuronpedia's site, for the feature API."""
+    exports_url: str = "https://neuronpedia-datasets.s3.amazonaws.com"
+    """The bulk-exports bucket's HTTPS endpoint."""
+    chunk_size: int = 500
+    """Feature indices per mapped fetch task (raised when needed to stay under the map limit)."""
+    concurrency: int = 4
+    """Concurrent requests within one fetch task."""
+    requests_per_hour: int = 20_000
+    """Request budget of one fetch task."""
+    sources: tuple[SourcePlan, ...] = field(default_factory=tuple)
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+
+
+def _parse_range(spec: Any, where: str) -> tuple[int, int]:
+    """``"0:5000"`` (half-open), ``"45698"``, ``45698`` or ``[0, 5000]`` → ``(start, stop)``."""
+    if isinstance(spec, bool):
+        raise ConfigError(f"{where}: {spec!r} is not an index range")
+    if isinstance(spec, int):
+        start, stop = spec, spec + 1
+    elif isinstance(spec, list) and len(spec) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in spec):
+        start, stop = spec
+    elif isinstance(spec, str) and (m := _RANGE.match(spec)):
+        start = int(m.group(1))
+        stop = int(m.group(2)) if m.group(2) is not None else start + 1
+    else:
+        raise ConfigError(f"{where}: {spec!r} is not an index range (write \"start:stop\" or an index)")
+    if start < 0 or stop <= start:
+        raise ConfigError(f"{where}: range {start}:{stop} is empty or negative")
+    return start, stop
+
+
+def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Sort and merge overlapping or touching ranges so no index is fetched twice."""
+    out: list[list[int]] = []
+    for start, stop in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], stop)
+        else:
+            out.append([start, stop])
+    return tuple((a, b) for a, b in out)
+
+
+def _source(entry: Any, n: int) -> SourcePlan:
+    where = f"[[sources]] #{n + 1}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a table")
+    unknown = set(entry) - {"model", "source", "via", "indices", "all", "batches"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    model, source = entry.get("model"), entry.get("source")
+    if not isinstance(model, str) or not model or not isinstance(source, str) or not source:
+        raise ConfigError(f"{where} needs a model and a source (non-empty strings)")
+    where = f"{where} ({model}/{source})"
+    via = entry.get("via", "api")
+    if via not in ("api", "exports"):
+        raise ConfigError(f"{where}: via must be \"api\" or \"exports\", not {via!r}")
+    if via == "exports":
+        if "indices" in entry or entry.get("all"):
+            raise ConfigError(f"{where}: exports fetch the whole source; drop indices/all")
+        batches = _parse_range(entry["batches"], where) if "batches" in entry else None
+        return SourcePlan(model, source, "exports", batches=batches)
+    if "batches" in entry:
+        raise ConfigError(f"{where}: batches only apply to via = \"exports\"")
+    all_features = entry.get("all", False)
+    if not isinstance(all_features, bool):
+        raise ConfigError(f"{where}: all must be true or false")
+    specs = entry.get("indices", [])
+    if not isinstance(specs, list):
+        specs = [specs]
+    if all_features and specs:
+        raise ConfigError(f"{where}: give indices or all = true, not both")
+    if not all_features and not specs:
+        raise ConfigError(f"{where}: give indices = [\"start:stop\", ...] or all = true")
+    ranges = _merge([_parse_range(s, where) for s in specs])
+    return SourcePlan(model, source, "api", ranges=ranges, all_features=all_features)
+
+
+def _positive(value: Any, name: str, kind: type = int) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (kind is int and (value == 0 or value != int(value))):
+        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
+    return kind(value)
+
+
+def load_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Plan:
+    """Read ``featurehouse.toml`` (``path``, else ``$FEATUREHOUSE_CONFIG``, else the repo's) into a Plan.
+
+    Environment variables override the file (see the module docstring); relative paths in the
+    file are resolved against the file's folder. Raises :class:`ConfigError` naming the file and
+    the entry when something is wrong.
+    """
+    env = os.environ if env is None else env
+    config_path = Path(path or env.get("FEATUREHOUSE_CONFIG") or DEFAULT_CONFIG).resolve()
+    try:
+        raw = tomllib.loads(config_path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"no config file at {config_path} (set FEATUREHOUSE_CONFIG)") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{config_path} is not valid TOML: {exc}") from exc
+    try:
+        return _plan(raw, config_path, env)
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: {exc}") from None
+
+
+def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Environ) -> Plan:
+    unknown = set(raw) - {"schedule", "paths", "inbox", "neuronpedia", "fetch", "sources"}
+    if unknown:
+        raise ConfigError(f"unknown section(s) {', '.join(sorted(unknown))}")
+    schedule = raw.get("schedule", {})
+    paths = raw.get("paths", {})
+    inbox = raw.get("inbox", {})
+    api = raw.get("neuronpedia", {})
+    fetch = raw.get("fetch", {})
+    here = config_path.parent
+
+    def path_of(value: str) -> Path:
+        p = Path(value).expanduser()
+        return p if p.is_absolute() else here / p
+
+    cron = env.get("FEATUREHOUSE_SCHEDULE") or schedule.get("cron", DEFAULT_SCHEDULE)
+    if not isinstance(cron, str) or len(cron.split()) != 5 and not cron.startswith("@"):
+        raise ConfigError(f"[schedule] cron must be a five-field cron expression, got {cron!r}")
+    settle = env.get("FEATUREHOUSE_INBOX_SETTLE_SECONDS")
+    sources = raw.get("sources", [])
+    if not isinstance(sources, list):
+        raise ConfigError("sources must be an array of tables ([[sources]])")
+    plan = Plan(
+        config_path=config_path,
+        schedule=cron,
+        warehouse=Path(env["FEATUREHOUSE_WAREHOUSE"]) if env.get("FEATUREHOUSE_WAREHOUSE")
+        else path_of(paths.get("warehouse", "warehouse/featurehouse.duckdb")),
+        inbox=Path(env["FEATUREHOUSE_INBOX"]) if env.get("FEATUREHOUSE_INBOX")
+        else path_of(paths.get("inbox", "inbox")),
+        inbox_settle_seconds=_positive(
+            float(settle) if settle else inbox.get("settle_seconds", 30.0), "[inbox] settle_seconds", float
+        ),
+        base_url=(env.get("NEURONPEDIA_BASE_URL") or api.get("base_url", Plan.base_url)).rstrip("/"),
+        exports_url=(env.get("NEURONPEDIA_EXPORTS_URL") or api.get("exports_url", Plan.exports_url)).rstrip("/"),
+        chunk_size=_positive(fetch.get("chunk_size", Plan.chunk_size), "[fetch] chunk_size"),
+        concurrency=_positive(fetch.get("concurrency", Plan.concurrency), "[fetch] concurrency"),
+        requests_per_hour=_positive(fetch.get("requests_per_hour", Plan.requests_per_hour), "[fetch] requests_per_hour"),
+        sources=tuple(_source(e, i) for i, e in enumerate(sources)),
+    )
+    seen: set[tuple[str, str]] = set()
+    for s in plan.sources:
+        if (s.model, s.source) in seen:
+            raise ConfigError(f"{s.model}/{s.source} is listed twice; merge its indices into one entry")
+        seen.add((s.model, s.source))
+    return plan
+
+
+def window_for(key: datetime, dag_id: str = "featurehouse_nightly") -> str:
+    """The fetch window of a scheduled run, named after its data interval start (never "now").
+
+    The same run (or a retry of it) always gets the same window, so that fetch resumes instead
+    of refetching and ingest never loads twice.
+    """
+    if key.tzinfo is None:
+        key = key.replace(tzinfo=timezone.utc)
+    return f"{dag_id}-{key.astimezone(timezone.utc):%Y%m%dT%H%M%SZ}"
+
+
+def run_id_for(key: datetime, dag_id: str = "featurehouse_nightly") -> str:
+    """The warehouse ``runs.run_id`` of a scheduled run: stable across retries, like the window."""
+    return f"airflow-{window_for(key, dag_id)}"
+
+
+def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH) -> list[dict[str, Any]]:
+    """Split the plan into fetch chunks, each a small dict, no more than ``max_map_length`` of them.
+
+    API ranges are cut into chunks of ``plan.chunk_size`` indices, and the chunk size grows
+    when that would make more chunks than Airflow may map (every source keeps at least one chunk
+    of its own). A source fetched whole (``all = true`` or exports) is one chunk. Chunks carry
+    ranges, never lists of indices, so a chunk of 100,000 features is still a few bytes of XCom.
+    Raises :class:`ConfigError` when even one chunk per source exceeds the limit.
+    """
+    if max_map_length < 1:
+        raise ConfigError(f"max_map_length must be at least 1, got {max_map_length}")
+    whole = [s for s in plan.sources if s.via == "exports" or s.all_features]
+    ranged = [s for s in plan.sources if s.via == "api" and not s.all_features]
+    room = max_map_length - len(whole)
+    total = sum(s.n_indices for s in ranged)
+    n_ranges = sum(len(s.ranges) for s in ranged)
+    if n_ranges > room:  # every range needs at least one chunk of its own
+        raise ConfigError(
+            f"{len(plan.sources)} sources with {n_ranges} ranges cannot be "
+            f"fetched in at most {max_map_length} mapped tasks; raise [core] max_map_length"
+        )
+    size = plan.chunk_size
+    if ranged:
+        while sum(math.ceil((b - a) / size) for s in ranged for a, b in s.ranges) > room:
+            size = max(size + 1, math.ceil(size * 1.25), math.ceil(total / room))
+    common = {"window": window, "base_url": plan.base_url, "exports_url": plan.exports_url,
+              "concurrency": plan.concurrency, "requests_per_hour": plan.requests_per_hour}
+    out: list[dict[str, Any]] = []
+    for s in plan.sources:
+        base = {"model": s.model, "source": s.source, "via": s.via}
+        if s.via == "exports":
+            out.append(base | {"batches": list(s.batches) if s.batches else None} | common)
+        elif s.all_features:
+            out.append(base | {"all": True} | common)
+        else:
+            for a, b in s.ranges:
+                for start in range(a, b, size):
+                    out.append(base | {"start": start, "stop": min(start + size, b)} | common)
+    return out
+
+
+def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None) -> dict[str, Any]:
+    """Fetch one chunk (a dict from :func:`chunks`) into the landing area; return what happened.
+
+    Lands bodies and writes the window's manifest only: it never writes the warehouse, so that
+    many chunks can run at once. ``api_key`` defaults to ``$NEURONPEDIA_API_KEY`` inside fetch.
+    """
+    from . import fetch
+
+    common = {"settings": settings, "window": chunk["window"]}
+    if chunk["via"] == "exports":
+        batches = range(*chunk["batches"]) if chunk.get("batches") else None
+        result = fetch.fetch_exports(chunk["model"], chunk["source"], batches=batches,
+                                     exports_url=chunk["exports_url"], **common)
+    else:
+        kwargs = {"all_features": True} if chunk.get("all") else {"indices": range(chunk["start"], chunk["stop"])}
+        result = fetch.fetch_features(chunk["model"], chunk["source"], base_url=chunk["base_url"],
+                                      api_key=api_key or os.environ.get("NEURONPEDIA_API_KEY"),
+                                      concurrency=chunk["concurrency"],
+                                      requests_per_hour=chunk["requests_per_hour"], **kwargs, **common)
+    return result.as_dict()

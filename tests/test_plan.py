@@ -1,0 +1,184 @@
+"""featurehouse.toml → Plan → fetch chunks (pipeline/plan.py)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.plan import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    chunks,
+    load_plan,
+    run_id_for,
+    window_for,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "featurehouse.toml"
+    p.write_text(text)
+    return p
+
+
+def test_repo_config_loads_with_defaults():
+    plan = load_plan(DEFAULT_CONFIG, env={})
+    assert plan.schedule == "0 3 * * *"
+    assert plan.warehouse == DEFAULT_CONFIG.parent / "warehouse" / "featurehouse.duckdb"
+    assert plan.inbox == DEFAULT_CONFIG.parent / "inbox"
+    assert plan.base_url == "https://www.neuronpedia.org"
+    assert plan.sources and all(s.model and s.source for s in plan.sources)
+
+
+def test_sources_api_ranges_and_exports(tmp_path):
+    path = write(tmp_path, """
+[paths]
+warehouse = "wh/x.duckdb"
+[[sources]]
+model = "m"
+source = "s1"
+indices = ["10:20", 5, "15:30", [40, 42], "45698"]
+[[sources]]
+model = "m"
+source = "s2"
+via = "exports"
+batches = "0:3"
+[[sources]]
+model = "m"
+source = "s3"
+all = true
+""")
+    plan = load_plan(path, env={})
+    s1, s2, s3 = plan.sources
+    assert s1.ranges == ((5, 6), (10, 30), (40, 42), (45698, 45699))  # merged, sorted
+    assert s1.n_indices == 1 + 20 + 2 + 1
+    assert (s2.via, s2.batches) == ("exports", (0, 3))
+    assert s3.all_features and s3.ranges == ()
+    assert plan.warehouse == tmp_path / "wh" / "x.duckdb"
+
+
+def test_env_overrides_the_file(tmp_path):
+    path = write(tmp_path, '[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["0:10"]\n')
+    env = {
+        "FEATUREHOUSE_CONFIG": str(path),
+        "FEATUREHOUSE_SCHEDULE": "*/5 * * * *",
+        "FEATUREHOUSE_WAREHOUSE": "/data/w.duckdb",
+        "FEATUREHOUSE_INBOX": "/data/inbox",
+        "FEATUREHOUSE_INBOX_SETTLE_SECONDS": "0",
+        "NEURONPEDIA_BASE_URL": "http://127.0.0.1:9/",
+        "NEURONPEDIA_EXPORTS_URL": "http://127.0.0.1:9/bucket",
+    }
+    plan = load_plan(env=env)
+    assert plan.config_path == path
+    assert plan.schedule == "*/5 * * * *"
+    assert plan.warehouse == Path("/data/w.duckdb")
+    assert plan.inbox == Path("/data/inbox")
+    assert plan.inbox_settle_seconds == 0
+    assert plan.base_url == "http://127.0.0.1:9"
+    assert plan.exports_url == "http://127.0.0.1:9/bucket"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('[[sources]]\nmodel = "m"\nsource = "s"\n', "give indices"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["9:3"]\n', "empty or negative"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["a:b"]\n', "not an index range"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nvia = "ftp"\n', "via must be"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nvia = "exports"\nindices = ["0:3"]\n', "whole source"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["0:3"]\nall = true\n', "not both"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["0:3"]\nbatches = "0:1"\n', "only apply"),
+        ('[[sources]]\nsource = "s"\nindices = ["0:3"]\n', "needs a model"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nindex = ["0:3"]\n', "unknown key"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = [1]\n[[sources]]\nmodel = "m"\nsource = "s"\nindices = [2]\n', "listed twice"),
+        ('[schedule]\ncron = "nightly"\n', "cron"),
+        ('[fetch]\nchunk_size = 0\n', "chunk_size"),
+        ('[fetsh]\nchunk_size = 10\n', "unknown section"),
+        ('[[sources]\n', "not valid TOML"),
+    ],
+)
+def test_bad_config_is_refused_with_the_file_and_entry_named(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as exc:
+        load_plan(path, env={})
+    assert str(path) in str(exc.value)
+
+
+def test_missing_config_names_the_variable(tmp_path):
+    with pytest.raises(ConfigError, match="FEATUREHOUSE_CONFIG"):
+        load_plan(env={"FEATUREHOUSE_CONFIG": str(tmp_path / "nope.toml")})
+
+
+def test_window_and_run_id_come_from_the_data_interval_not_now():
+    start = datetime(2026, 11, 28, 3, 0, tzinfo=timezone.utc)
+    assert window_for(start) == "featurehouse_nightly-20261128T030000Z"
+    assert window_for(start) == window_for(start.astimezone(timezone(timedelta(hours=5))))
+    assert window_for(datetime(2026, 11, 28, 3, 0)) == window_for(start)  # naive means UTC
+    assert run_id_for(start, "featurehouse_inbox") == "airflow-featurehouse_inbox-20261128T030000Z"
+
+
+def test_chunks_cover_every_index_once_and_carry_small_dicts(tmp_path):
+    path = write(tmp_path, """
+[fetch]
+chunk_size = 100
+[[sources]]
+model = "m"
+source = "a"
+indices = ["0:250", "1000:1001"]
+[[sources]]
+model = "m"
+source = "b"
+via = "exports"
+[[sources]]
+model = "m"
+source = "c"
+all = true
+""")
+    plan = load_plan(path, env={})
+    out = chunks(plan, "w1")
+    api = [c for c in out if c["source"] == "a"]
+    assert [(c["start"], c["stop"]) for c in api] == [(0, 100), (100, 200), (200, 250), (1000, 1001)]
+    assert [c for c in out if c["source"] == "b"][0]["via"] == "exports"
+    assert [c for c in out if c["source"] == "c"][0]["all"] is True
+    assert all(c["window"] == "w1" and c["base_url"] == plan.base_url for c in out)
+    assert all(len(repr(c)) < 400 for c in out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ranges=st.lists(st.tuples(st.integers(0, 10**6), st.integers(1, 200_000)), min_size=1, max_size=30),
+    chunk_size=st.integers(1, 5000),
+    max_map_length=st.integers(40, 2048),
+    n_whole=st.integers(0, 5),
+)
+def test_chunks_stay_under_the_map_limit_and_cover_exactly(tmp_path_factory, ranges, chunk_size, max_map_length, n_whole):
+    tmp = tmp_path_factory.mktemp("plan")
+    specs = ", ".join(f'"{a}:{a + n}"' for a, n in ranges)
+    text = f"[fetch]\nchunk_size = {chunk_size}\n[[sources]]\nmodel = \"m\"\nsource = \"s\"\nindices = [{specs}]\n"
+    text += "".join(f'[[sources]]\nmodel = "m"\nsource = "x{i}"\nvia = "exports"\n' for i in range(n_whole))
+    plan = load_plan(write(tmp, text), env={})
+    out = chunks(plan, "w", max_map_length=max_map_length)
+    assert len(out) <= max_map_length
+    covered = [i for c in out if c["via"] == "api" for i in (c["start"], c["stop"])]
+    got = sorted((c["start"], c["stop"]) for c in out if c["via"] == "api")
+    # consecutive, non-overlapping, and exactly the merged ranges
+    flat: list[tuple[int, int]] = []
+    for a, b in got:
+        if flat and flat[-1][1] == a:
+            flat[-1] = (flat[-1][0], b)
+        else:
+            flat.append((a, b))
+    assert tuple(flat) == plan.sources[0].ranges
+    assert covered and sum(1 for c in out if c["via"] == "exports") == n_whole
+
+
+def test_too_many_ranges_for_the_map_limit_is_a_config_error(tmp_path):
+    specs = ", ".join(str(i * 10) for i in range(50))
+    plan = load_plan(write(tmp_path, f'[[sources]]\nmodel = "m"\nsource = "s"\nindices = [{specs}]\n'), env={})
+    assert len(chunks(plan, "w", max_map_length=50)) == 50
+    with pytest.raises(ConfigError, match="max_map_length"):
+        chunks(plan, "w", max_map_length=49)
