@@ -138,6 +138,24 @@ def status_cmd(warehouse, limit) -> None:
                    "{} rejected inputs".format(*totals))
 
 
+@cli.command("report")
+@warehouse_option
+@click.option("--run", "run_id", default=None, help="The run to report (default: the latest).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for the report and index.html (default: reports/ beside the warehouse).")
+def report_cmd(warehouse, run_id, out_dir) -> None:
+    """Write a run's HTML data-quality and activation report, and the index of runs."""
+    from . import report
+
+    settings = Settings.from_env(warehouse=warehouse)
+    try:
+        path = report.write_report(settings.warehouse, run_id, out_dir=out_dir, settings=settings)
+    except (warehouse_mod.WarehouseMissing, report.NoRuns, report.RunNotFound) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"report {path}")
+    click.echo(f"index  {path.parent / 'index.html'}")
+
+
 @cli.command("materialise")
 @warehouse_option
 @click.option("--run-id", default=None, help="Refresh only the features this run loaded (default: all).")
@@ -148,6 +166,142 @@ def materialise_cmd(warehouse, run_id) -> None:
         r = materialise.refresh(conn, run_id)
     click.echo(f"refreshed {r.feature_stats_rows} feature stats rows over {r.n_features} features "
                f"and {r.source_stats_rows} source stats rows over {r.n_sources} sources")
+
+
+# --- fetch ---------------------------------------------------------------------------------
+
+
+def _span(value: str | None, option: str) -> range | None:
+    """``A:B`` → range(A, B): A up to but not including B."""
+    if value is None:
+        return None
+    a, sep, b = value.partition(":")
+    if not (sep and a.strip().isdigit() and b.strip().isdigit() and int(a) < int(b)):
+        raise click.BadParameter(f"{value!r} is not A:B with whole numbers A < B (B is excluded)",
+                                 param_hint=option)
+    return range(int(a), int(b))
+
+
+def _fetch_options(f):
+    """Options every fetch command takes."""
+    options = [
+        click.option("--model", required=True, help="Neuronpedia model id, e.g. gpt-oss-20b."),
+        click.option("--source", required=True,
+                     help="Source (SAE) id, Neuronpedia's 'layer', e.g. 11-resid-post-aa."),
+        warehouse_option,
+        click.option("--window", default=None,
+                     help="Name of this fetch (default: a fresh id). Re-running with the same window "
+                          "skips what already landed in it; Airflow passes the run's data interval."),
+        click.option("--concurrency", default=None, type=click.IntRange(1, 64),
+                     help="Requests in flight at once [features: 4, exports: 2]."),
+        click.option("--requests-per-hour", default=20_000, show_default=True, type=click.IntRange(1),
+                     help="Request budget (Neuronpedia allows 25,000 an hour per IP on /api)."),
+        click.option("--timeout", default=None, type=click.FloatRange(min=0.01),
+                     help="Seconds to wait for each answer [features: 30, exports: 60]."),
+        click.option("--max-attempts", default=6, show_default=True, type=click.IntRange(1),
+                     help="Attempts per URL before it is recorded as failed."),
+        click.option("--backoff", default=1.0, show_default=True, type=click.FloatRange(min=0),
+                     help="First wait between attempts, in seconds; it doubles (with jitter) up to "
+                          "a minute, and a Retry-After answer overrides it."),
+        click.option("--no-progress", is_flag=True, help="Hide the progress bar."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool) -> None:
+    from .fetch import ingest_fetched
+
+    click.echo(f"fetch window {window}", err=True)
+    try:
+        result = fetch()
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: what landed is kept; run the same command with --window {window} "
+                   "to fetch only the rest", err=True)
+        sys.exit(130)
+    summary = ingest_fetched(window, settings, trigger="fetch", progress=False if no_progress else None)
+    print_summary(summary)
+    r = result
+    click.echo(
+        f"  fetch    window {r.window}: requested {r.n_requested}, landed {r.n_landed}, "
+        f"already landed {r.n_skipped_already_landed}, not found {r.n_not_found}, "
+        f"failed {r.n_failed} in {r.seconds:.1f}s"
+    )
+    for f in r.failures[:20]:
+        status = f"HTTP {f['http_status']}, " if f.get("http_status") else ""
+        click.echo(f"  failed   {f['url']}\n           ({status}{f['attempts']} attempts) {f['last_error']}")
+    if len(r.failures) > 20:
+        click.echo(f"  ... and {len(r.failures) - 20} more failed")
+    if r.n_failed or r.n_not_found:
+        click.echo("  fetch failures: featurehouse sql \"SELECT url, status, attempts, last_error "
+                   f"FROM fetch_failures WHERE run_id = '{summary.run_id}'\"")
+    if r.n_failed:
+        click.echo(f"  re-run with --window {r.window} to retry only what did not land")
+        sys.exit(3)
+
+
+@cli.group("fetch")
+def fetch_group() -> None:
+    """Fetch feature pages from Neuronpedia (feature API or bulk exports), then ingest them.
+
+    Each command lands what it fetches, ingests it, and prints the run summary and the URLs
+    that still failed after the retry budget. Exits 3 when some failed, 0 otherwise (a feature
+    Neuronpedia does not have is reported as not found, not as a failure).
+    """
+
+
+@fetch_group.command("features")
+@click.option("--index", "indices", multiple=True, type=click.IntRange(0), help="A feature index (repeatable).")
+@click.option("--range", "span", default=None, metavar="A:B", help="Features A up to B (B excluded).")
+@click.option("--all", "all_features", is_flag=True,
+              help="Every feature of the source that has activations (pages through features-offset).")
+@click.option("--base-url", default="https://www.neuronpedia.org", show_default=True,
+              help="Neuronpedia site (or a mirror, or a local fake).")
+@click.option("--api-key", envvar="NEURONPEDIA_API_KEY", show_envvar=True, default=None,
+              help="Sent only as the x-api-key header, never logged. Prefer the environment variable: "
+                   "a command-line argument is visible to other users.")
+@_fetch_options
+def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, source, warehouse, window,
+                       concurrency, requests_per_hour, timeout, max_attempts, backoff, no_progress) -> None:
+    """Fetch features through GET /api/feature/{model}/{source}/{index} and ingest them."""
+    from .fetch import fetch_features
+    from .ingest import new_run_id
+
+    wanted = _span(span, "--range")
+    if sum([bool(indices), wanted is not None, all_features]) != 1:
+        raise click.UsageError("say which features: --index (repeatable), --range A:B, or --all")
+    chosen = None if all_features else sorted(set(indices) | set(wanted or ()))
+    settings = Settings.from_env(warehouse=warehouse)
+    window = window or new_run_id("fetch")
+    _fetch_then_ingest(settings, window, lambda: fetch_features(
+        model, source, chosen, all_features=all_features, settings=settings, base_url=base_url,
+        api_key=api_key or None, concurrency=concurrency or 4, requests_per_hour=requests_per_hour,
+        window=window, timeout=timeout or 30.0, max_attempts=max_attempts, backoff=backoff,
+        progress=False if no_progress else None,
+    ), no_progress)
+
+
+@fetch_group.command("exports")
+@click.option("--batches", "span", default=None, metavar="A:B",
+              help="Only export batches A up to B (B excluded); batch N holds features N*1024 to N*1024+1023.")
+@click.option("--exports-url", default="https://neuronpedia-datasets.s3.amazonaws.com", show_default=True,
+              help="The public bulk-export bucket (anonymous HTTPS; no API key is sent to it).")
+@_fetch_options
+def fetch_exports_cmd(span, exports_url, model, source, warehouse, window, concurrency, requests_per_hour,
+                      timeout, max_attempts, backoff, no_progress) -> None:
+    """Fetch a source's bulk exports (S3 bucket, v1/{model}/{source}/) and ingest them."""
+    from .fetch import fetch_exports
+    from .ingest import new_run_id
+
+    batches = _span(span, "--batches")
+    settings = Settings.from_env(warehouse=warehouse)
+    window = window or new_run_id("fetch")
+    _fetch_then_ingest(settings, window, lambda: fetch_exports(
+        model, source, batches=batches, settings=settings, exports_url=exports_url, window=window,
+        timeout=timeout or 60.0, max_attempts=max_attempts, concurrency=concurrency or 2,
+        requests_per_hour=requests_per_hour, backoff=backoff, progress=False if no_progress else None,
+    ), no_progress)
 
 
 def main() -> None:
