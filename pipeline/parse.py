@@ -226,6 +226,8 @@ def _add_page(parsed: ParsedInput, page: Any, where: str) -> None:
         raise Rejected(f"{where} does not match the feature page schema at {path}: {err.message}")
     model_id, source_id = page["modelId"], page["layer"]
     index = int(page["index"])
+    if not -_INT64 <= index < _INT64:
+        raise Rejected(f"feature index {index} is out of range (a feature number fits in 64 bits)")
     key = f"{model_id}/{source_id}/{index}"
     parsed.features.append(_feature(page, model_id, source_id, index))
     if isinstance(page.get("model"), dict):
@@ -266,6 +268,8 @@ def _export_key(row: dict, n: int) -> tuple[str | None, str | None, int | None]:
         raise Rejected(f"line {n}: feature index {index!r} is not a number") from None
     if isinstance(index, float) and not index.is_integer():
         raise Rejected(f"line {n}: feature index {index!r} is not a whole number")
+    if idx is not None and not -_INT64 <= idx < _INT64:
+        raise Rejected(f"line {n}: feature index {index!r} is out of range")
     return row.get("modelId"), row.get("layer"), idx
 
 
@@ -317,20 +321,35 @@ def _num(v: Any) -> float | None:
     if t is float:
         return v
     if t is int:
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:  # a "$n" bigint past the float range
+            return math.nan
     if isinstance(v, str) and v in ("$I", "$Infinity", "$-Infinity", "$N", "$NaN"):
         return {"$I": math.inf, "$Infinity": math.inf, "$-Infinity": -math.inf}.get(v, math.nan)
     return None
 
 
-def _int(v: Any) -> int | None:
+_INT64 = 2**63
+_INT32 = 2**31
+
+
+def _int(v: Any, bound: int = _INT64) -> int | None:
+    """An integer, or None when it is not one or does not fit its column (BIGINT by default)."""
     if type(v) is int:
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    if isinstance(v, str) and v.lstrip("-").isdigit():
-        return int(v)
-    return None
+        n = v
+    elif isinstance(v, float) and v.is_integer():
+        n = int(v)
+    elif isinstance(v, str) and v.lstrip("-").isdigit():
+        n = int(v)
+    else:
+        return None
+    # A value its column cannot hold would make the Arrow conversion, and so the run, fail.
+    return n if -bound <= n < bound else None
+
+
+def _int32(v: Any) -> int | None:
+    return _int(v, _INT32)
 
 
 _NUMBER_TYPES = {float, int}
@@ -340,8 +359,9 @@ def _floats(v: Any) -> list[float] | None:
     """A list of numbers; elements that are not numbers become NaN (validation refuses them)."""
     if not isinstance(v, list):
         return None
-    if set(map(type, v)) <= _NUMBER_TYPES:  # the common case: leave the list as parsed
-        return v
+    types = set(map(type, v))
+    if types <= _NUMBER_TYPES and (int not in types or -_INT64 <= min(v) and max(v) < _INT64):
+        return v  # the common case: leave the list as parsed (Arrow converts ints that fit int64)
     out = []
     for x in v:
         if x is None:
@@ -427,10 +447,10 @@ def _activation(a: Any, page_key: str | None) -> Activation:
         tokens=_strs(a.get("tokens")),
         values=_floats(a.get("values")),
         max_value=_num(a.get("maxValue")),
-        max_value_token_index=_int(a.get("maxValueTokenIndex")),
+        max_value_token_index=_int32(a.get("maxValueTokenIndex")),
         min_value=_num(a.get("minValue")),
         dfa_values=_floats(a.get("dfaValues")),
-        dfa_target_index=_int(a.get("dfaTargetIndex")),
+        dfa_target_index=_int32(a.get("dfaTargetIndex")),
         dfa_max_value=_num(a.get("dfaMaxValue")),
         loss_values=_floats(a.get("lossValues")),
         logit_contributions=(
@@ -440,7 +460,7 @@ def _activation(a: Any, page_key: str | None) -> Activation:
         bin_min=_num(a.get("binMin")),
         bin_max=_num(a.get("binMax")),
         bin_contains=_num(a.get("binContains")),
-        qualifying_token_index=_int(a.get("qualifyingTokenIndex")),
+        qualifying_token_index=_int32(a.get("qualifyingTokenIndex")),
         creator_id=_str(a.get("creatorId")),
         created_at=_ts(a.get("createdAt")),
         page_key=page_key if page_key is not None else key,
@@ -473,8 +493,8 @@ def _model(m: dict) -> Model:
         display_name=_str(m.get("displayName")),
         owner=_str(m.get("owner")),
         tlens_id=_str(m.get("tlensId")),
-        n_layers=_int(m.get("layers")),
-        dimension=_int(m.get("dimension")),
+        n_layers=_int32(m.get("layers")),
+        dimension=_int32(m.get("dimension")),
         created_at=_ts(m.get("createdAt")),
         updated_at=_ts(m.get("updatedAt")),
         extra=_json({k: v for k, v in m.items() if k not in core}),
@@ -490,7 +510,7 @@ def _source(s: dict, model_id: Any) -> Source:
         hf_repo_id=_str(s.get("hfRepoId")),
         hf_folder_id=_str(s.get("hfFolderId")),
         dataset=_str(s.get("dataset")),
-        num_tokens_in_prompt=_int(s.get("num_tokens_in_prompt")),
+        num_tokens_in_prompt=_int32(s.get("num_tokens_in_prompt")),
         created_at=_ts(s.get("createdAt")),
         extra=_json({k: v for k, v in s.items() if k not in core}),
     )

@@ -1,0 +1,73 @@
+"""Receive and land: inputs found recursively in order; bytes stored once, by content."""
+
+from __future__ import annotations
+
+import hashlib
+import stat
+
+import pytest
+
+from pipeline.land import land, landed_path
+from pipeline.receive import Input, InputNotFound, iter_inputs
+from tests.conftest import SEED_FLIGHT, SEED_NOT_A_PAGE, query, run_ingest, write
+
+
+def test_receive_walks_folders_sorted_and_skips_hidden(tmp_path):
+    for rel in ["b/2.json", "b/1.json", "a.txt", ".hidden.json", "c/.partial", ".git/x.json", "c/d/e.gz"]:
+        write(tmp_path / "in" / rel, b"x")
+    got = [i.origin for i in iter_inputs([tmp_path / "in"])]
+    root = (tmp_path / "in").resolve()
+    assert got == [str(root / p) for p in ["a.txt", "b/1.json", "b/2.json", "c/d/e.gz"]]
+    single = write(tmp_path / "one.json", b"y")
+    assert [i.path for i in iter_inputs([single])] == [single]
+    with pytest.raises(InputNotFound, match="no such file"):
+        list(iter_inputs([tmp_path / "missing"]))
+
+
+def test_land_stores_bytes_under_their_sha256_once(tmp_path):
+    data = SEED_FLIGHT.read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    first = land(Input(origin="a", path=SEED_FLIGHT), tmp_path / "landing", max_bytes=10**9)
+    assert first.sha256 == sha and first.new and first.data == data and first.n_bytes == len(data)
+    assert first.path == tmp_path / "landing" / "sha256" / sha[:2] / sha == landed_path(tmp_path / "landing", sha)
+    assert first.path.read_bytes() == data
+    assert not first.path.stat().st_mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)  # kept untouched
+    again = land(Input(origin="b", data=data), tmp_path / "landing", max_bytes=10**9)
+    assert again.sha256 == sha and not again.new and again.path == first.path
+    files = [p for p in (tmp_path / "landing").rglob("*") if p.is_file()]
+    assert files == [first.path]  # no temp files left behind
+
+
+def test_oversize_input_is_streamed_to_landing_and_not_read(tmp_path):
+    big = write(tmp_path / "big.bin", bytes(range(256)) * 4096)  # 1 MiB
+    landed = land(Input(origin=str(big), path=big), tmp_path / "landing", max_bytes=1000)
+    assert landed.data is None and landed.n_bytes == big.stat().st_size and landed.new
+    assert landed.sha256 == hashlib.sha256(big.read_bytes()).hexdigest()
+    assert landed.path.read_bytes() == big.read_bytes()
+    assert not land(Input(origin="again", path=big), tmp_path / "landing", max_bytes=1000).new
+
+
+def test_oversize_input_is_rejected_in_a_run_that_goes_on(tmp_path, settings):
+    from dataclasses import replace
+
+    settings = replace(settings, max_input_bytes=100_000)
+    summary = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], settings)  # 280 kB and 39 kB
+    assert summary.status == "succeeded"
+    rows = dict(((o.rsplit("/", 1)[-1]), (s, r)) for o, s, r in
+                query(settings.warehouse, "SELECT origin, status, reason FROM raw_inputs"))
+    status, reason = rows[SEED_FLIGHT.name]
+    assert status == "rejected" and "FEATUREHOUSE_MAX_INPUT_BYTES" in reason and "landed" in reason
+    for (path, n) in query(settings.warehouse, "SELECT landed_path, n_bytes FROM raw_inputs"):
+        assert len(open(path, "rb").read()) == n
+    assert rows[SEED_NOT_A_PAGE.name][0] == "rejected"
+
+
+def test_same_bytes_under_two_names_land_once(tmp_path, settings):
+    data = SEED_FLIGHT.read_bytes()
+    a, b = write(tmp_path / "in" / "a.txt", data), write(tmp_path / "in" / "b.txt", data)
+    summary = run_ingest([a, b], settings)
+    assert (summary.n_received, summary.n_landed, summary.n_duplicates, summary.n_loaded) == (2, 1, 1, 1)
+    assert query(settings.warehouse, "SELECT count(*) FROM raw_inputs") == [(1,)]
+    assert query(settings.warehouse, "SELECT outcome FROM run_inputs ORDER BY origin") == [("loaded",), ("duplicate",)]
+    landed = [p for p in settings.landing_dir.rglob("*") if p.is_file()]
+    assert len(landed) == 1 and landed[0].read_bytes() == data

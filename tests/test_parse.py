@@ -1,0 +1,110 @@
+"""Parse stage: shapes detected from content, records typed as the page says."""
+
+from __future__ import annotations
+
+import json
+import re
+from datetime import datetime
+
+import orjson
+import pytest
+
+from pipeline.parse import Rejected, parse_bytes
+from pipeline.records import InputFormat
+from tests.conftest import SEED_FLIGHT, good_page
+from tests.formats import gz, to_api_json, to_flight
+
+
+def test_seed_capture_parses_to_the_records_it_holds(seed_page):
+    parsed = parse_bytes(SEED_FLIGHT.read_bytes())
+    assert parsed.format == InputFormat.FLIGHT
+    (feature,) = parsed.features
+    assert (feature.model_id, feature.source_id, feature.feature_index) == ("gpt-oss-20b", "11-resid-post-aa", 45698)
+    assert feature.max_act_approx == seed_page["maxActApprox"]
+    assert feature.pos_str == seed_page["pos_str"] and feature.neg_values == seed_page["neg_values"]
+    # dates become naive UTC timestamps
+    assert feature.created_at == datetime(2025, 9, 24, 4, 30, 34, 656000)
+    assert [a.activation_id for a in parsed.activations] == [a["id"] for a in seed_page["activations"]]
+    by_id = {a.activation_id: a for a in parsed.activations}
+    for a in seed_page["activations"]:
+        rec = by_id[a["id"]]
+        assert rec.tokens == a["tokens"] and rec.values == a["values"]
+        assert rec.data_source == a["dataSource"] and rec.max_value == a["maxValue"]
+        assert rec.feature_index == 45698 and rec.page_key == "gpt-oss-20b/11-resid-post-aa/45698"
+    assert [e.description for e in parsed.explanations] == ["cpu"]
+    assert [m.model_id for m in parsed.models] == ["gpt-oss-20b"] and parsed.models[0].n_layers == 24
+    assert [(s.model_id, s.source_id) for s in parsed.sources] == [("gpt-oss-20b", "11-resid-post-aa")]
+    assert [s.source_set_name for s in parsed.source_sets] == ["resid-post-aa"]
+
+
+def test_seed_counts_match_a_plain_reading_of_the_file():
+    text = SEED_FLIGHT.read_text()
+    ids = re.findall(r'"id":"([a-z0-9]{24})","tokens"', text)
+    parsed = parse_bytes(SEED_FLIGHT.read_bytes())
+    assert len(parsed.activations) == len(ids) == 40
+    assert sorted(a.activation_id for a in parsed.activations) == sorted(ids)
+
+
+def test_shape_is_detected_from_content_not_name(tmp_path):
+    page = good_page()
+    for data, fmt in [(to_api_json(page), "api_json"), (to_flight(page), "flight"),
+                      (gz(to_flight(page)), "gzip+flight"), (b"\xef\xbb\xbf  \n" + to_api_json(page), "api_json")]:
+        parsed = parse_bytes(data)
+        assert str(getattr(parsed.format, "value", parsed.format)) == fmt
+        assert len(parsed.activations) == 3
+
+
+def test_json_array_and_features_wrapper():
+    pages = [good_page(1), good_page(2)]
+    for body in (json.dumps(json.loads(b"[" + b",".join(to_api_json(p) for p in pages) + b"]")),
+                 json.dumps({"features": [json.loads(to_api_json(p)) for p in pages]})):
+        parsed = parse_bytes(body.encode())
+        assert sorted(f.feature_index for f in parsed.features) == [1, 2]
+        assert len(parsed.activations) == 6
+
+
+def test_export_jsonl_rows_by_name():
+    page = json.loads(to_api_json(good_page(3)))
+    acts = page["activations"]
+    acts[0]["zValues"] = [1]  # a second producer's extra column is tolerated
+    del acts[1]["lossValues"]
+    body = b"\n".join(orjson.dumps(a) for a in acts) + b"\n"
+    parsed = parse_bytes(gz(body))
+    assert parsed.format == "gzip+export_jsonl"
+    assert [a.activation_id for a in parsed.activations] == [a["id"] for a in acts]
+    assert {a.feature_index for a in parsed.activations} == {3}
+
+
+def test_index_becomes_an_integer_and_a_non_number_is_refused():
+    page = good_page(12)
+    assert parse_bytes(to_api_json(page)).features[0].feature_index == 12
+    page["index"] = "twelve"
+    with pytest.raises(Rejected, match="index 'twelve' is not a number"):
+        parse_bytes(to_api_json(page))
+
+
+@pytest.mark.parametrize("field", ["maxValueTokenIndex", "dfaTargetIndex", "qualifyingTokenIndex"])
+def test_integer_too_large_for_its_column_does_not_break_parsing(field):
+    """An int32 column given 3,000,000,000 must not crash the load; the value cannot be kept."""
+    from pipeline.records import to_arrow
+
+    page = good_page()
+    page["activations"][0][field] = 3_000_000_000
+    parsed = parse_bytes(to_api_json(page))
+    to_arrow("activations", parsed.activations)  # raised ArrowInvalid before the fix
+
+
+def test_values_beyond_int64_become_floats():
+    from pipeline.records import to_arrow
+
+    page = good_page()
+    page["activations"][0]["values"][0] = 2**64 - 1
+    parsed = parse_bytes(to_api_json(page))
+    assert to_arrow("activations", parsed.activations).column("values")[0].as_py()[0] == float(2**64 - 1)
+
+
+def test_feature_index_beyond_int64_is_refused():
+    page = good_page()
+    page["index"] = 2**63
+    with pytest.raises(Rejected, match="out of range"):
+        parse_bytes(to_api_json(page))
