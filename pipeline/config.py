@@ -38,6 +38,10 @@ class Settings:
     """Activations gathered before a batch is validated and loaded (bounds memory);
     `$FEATUREHOUSE_BATCH_ACTIVATIONS`."""
 
+    batch_bytes: int = 96 * 1024 * 1024
+    """Input bytes gathered before a batch is validated and loaded (bounds memory);
+    `$FEATUREHOUSE_BATCH_BYTES`."""
+
     reports_dir: Path | None = None
     """Where HTML reports go; default `reports/` beside the warehouse."""
 
@@ -60,6 +64,7 @@ class Settings:
                 "FEATUREHOUSE_MAX_DECOMPRESSED_BYTES", cls.max_decompressed_bytes
             ),
             batch_activations=_env_int("FEATUREHOUSE_BATCH_ACTIVATIONS", cls.batch_activations),
+            batch_bytes=_env_int("FEATUREHOUSE_BATCH_BYTES", cls.batch_bytes),
             reports_dir=Path(os.environ["FEATUREHOUSE_REPORTS"]) if os.environ.get("FEATUREHOUSE_REPORTS") else None,
         )
         known = {f.name for f in fields(cls)}

@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import duckdb
-import orjson
 import pyarrow as pa
 from tqdm import tqdm
 
-from . import materialise, validate, warehouse
+from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
-from .load import insert_rows, upsert, utcnow
+from .load import UPSERT_KEYS, insert_rows, upsert, utcnow
 from .parse import Rejected, parse_bytes
 from .receive import Input, iter_inputs
-from .records import ParsedInput, to_arrow
+from .records import ARROW_SCHEMAS, ParsedInput
 
 __all__ = ["RunSummary", "ingest", "new_run_id"]
 
@@ -78,16 +78,18 @@ _COUNTERS = (
 
 
 class _Batch:
-    """Inputs and their records gathered until the next validate + load."""
+    """Inputs gathered until the next validate + load, bounded by bytes, activations and count."""
 
     def __init__(self) -> None:
         self.inputs: list[tuple[Landed, str, str | None]] = []  # landed, format, reject reason
         self.run_inputs: list[dict[str, str]] = []
         self.parsed: list[tuple[str, ParsedInput]] = []
+        self.fast: list[Landed] = []  # single-line API JSON, left for DuckDB to read
         self.n_activations = 0
+        self.n_bytes = 0
 
     def __len__(self) -> int:
-        return len(self.inputs) + len(self.run_inputs)
+        return len(self.inputs) + len(self.run_inputs) + len(self.fast)
 
     def add(self, landed: Landed, parsed: ParsedInput) -> None:
         self.inputs.append((landed, str(getattr(parsed.format, "value", parsed.format)), None))
@@ -98,38 +100,16 @@ class _Batch:
         self.inputs.append((landed, fmt, reason))
 
 
-def _dedupe(items: list[tuple[str, Any]], key) -> list[tuple[str, Any]]:
-    """Collapse records that arrive more than once with equal contents; keep the last copy.
-
-    Copies of one key with *different* contents are all kept, so that the suite's uniqueness
-    expectation refuses them instead of one silently winning.
-    """
-    by_key: dict[Any, list[int]] = {}
-    keep = [True] * len(items)
-    for i, (_, rec) in enumerate(items):
-        k = key(rec)
-        if k is None:
-            continue
-        earlier = by_key.setdefault(k, [])
-        for j in earlier:
-            if keep[j] and items[j][1] == rec:
-                keep[j] = False
-        earlier.append(i)
-    return [it for it, k in zip(items, keep) if k]
+_WS = b" \t\r\n"
 
 
-def _last_by_key(items: list[tuple[str, Any]], key) -> list[tuple[str, Any]]:
-    out: dict[Any, tuple[str, Any]] = {}
-    for sha, rec in items:
-        out[key(rec)] = (sha, rec)
-    return list(out.values())
+def _duckdb_readable(data: bytes) -> bool:
+    """True for one JSON object on one line: DuckDB's read_json takes these directly."""
+    body = data.strip(_WS)
+    return body[:1] == b"{" and body[-1:] == b"}" and b"\n" not in body
 
 
-def _with_meta(table: pa.Table, shas: list[str], now) -> pa.Table:
-    n = table.num_rows
-    table = table.append_column("input_sha256", pa.array(shas, pa.string()))
-    table = table.append_column("loaded_at", pa.array([now] * n, pa.timestamp("us")))
-    return table
+_DATA_TABLES = tuple(validate.SUITES)
 
 
 class _Run:
@@ -149,61 +129,74 @@ class _Run:
             return
         self.batch_no += 1
         conn, s, run_id, now = self.conn, self.summary, self.summary.run_id, utcnow()
-        recs: dict[str, list[tuple[str, Any]]] = {t: [] for t in
-            ("models", "source_sets", "sources", "features", "activations", "explanations")}
+
+        # DuckDB reads the API-JSON pages; any it cannot read cleanly take the Python road.
+        fast_ok = stage.read_api_json(conn, [(landed.sha256, landed.path) for landed in batch.fast])
+        for landed in batch.fast:
+            if landed.sha256 in fast_ok:
+                s.n_loaded += 1
+                batch.inputs.append((landed, "api_json", None))
+            else:
+                self._parse(batch, replace(landed, data=landed.path.read_bytes()))
+        records: dict[str, list[tuple[str, Any]]] = {t: [] for t in stage.STAGED_TABLES}
         for sha, p in batch.parsed:
-            for table in recs:
-                recs[table].extend((sha, r) for r in getattr(p, table))
-        recs["models"] = _last_by_key(recs["models"], lambda r: r.model_id)
-        recs["source_sets"] = _last_by_key(recs["source_sets"], lambda r: (r.model_id, r.source_set_name))
-        recs["sources"] = _last_by_key(recs["sources"], lambda r: (r.model_id, r.source_id))
-        recs["features"] = _dedupe(recs["features"], lambda r: (r.model_id, r.source_id, r.feature_index))
-        recs["activations"] = _dedupe(recs["activations"], lambda r: r.activation_id)
-        recs["explanations"] = _dedupe(recs["explanations"], lambda r: r.explanation_id)
+            for table in records:
+                records[table].extend((sha, r) for r in getattr(p, table))
+        batch.parsed.clear()
+        stage.stage_parsed(conn, records)
+        del records
+        stage.create_views(conn)
 
-        staged: dict[str, pa.Table] = {}
-        for table in validate.SUITES:
-            arrow = to_arrow(table, [r for _, r in recs[table]])
-            arrow = arrow.append_column("_row", pa.array(range(arrow.num_rows), pa.int64()))
-            if table == "activations":
-                arrow = arrow.append_column("page_key", pa.array([r.page_key for _, r in recs[table]], pa.string()))
-            staged[table] = arrow
-            conn.register(f"stage_{table}", arrow)
         try:
-            outcome = validate.validate_batch(conn, staged)
+            outcome = validate.validate_batch(conn, {t: None for t in _DATA_TABLES})
+            try:  # Great Expectations' own record of the batch, for its Data Docs; never fails a run
+                validate.store_results(self.settings.warehouse.parent, run_id, self.batch_no, now, outcome)
+            except Exception:
+                log.exception("could not store Great Expectations results for batch %d", self.batch_no)
+            self._load(batch, outcome, now)
         finally:
-            for table in staged:
-                conn.unregister(f"stage_{table}")
+            stage.drop(conn)
+        self.known.update(landed.sha256 for landed, _, _ in batch.inputs)
 
-        loaded_by_sha: dict[str, Counter] = {}
+    def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, now) -> None:
+        conn, s, run_id = self.conn, self.summary, self.summary.run_id
+        failed = sorted({(q["table"], q["row"]) for q in outcome.quarantine})
+        conn.register("_failed", pa.table({"tbl": [t for t, _ in failed], "_row": [r for _, r in failed]}))
+        conn.execute("CREATE OR REPLACE TEMP TABLE failed_rows AS SELECT * FROM _failed")
+        conn.unregister("_failed")
         conn.execute("BEGIN TRANSACTION")
         try:
-            for table in ("models", "source_sets", "sources"):
-                arrow = to_arrow(table, [r for _, r in recs[table]])
-                upsert(conn, table, _with_meta(arrow, [sha for sha, _ in recs[table]], now))
-            for table, arrow in staged.items():
-                mask = outcome.passed[table]
-                shas = [sha for sha, _ in recs[table]]
-                good = arrow.filter(mask).drop_columns([c for c in ("_row", "page_key") if c in arrow.column_names])
-                good_shas = [sha for sha, ok in zip(shas, mask.to_pylist()) if ok]
-                good = _with_meta(good, good_shas, now)
-                good = good.append_column("run_id", pa.array([run_id] * good.num_rows, pa.string()))
-                upsert(conn, table, good)
-                for sha in good_shas:
-                    loaded_by_sha.setdefault(sha, Counter())[table] += 1
-                setattr(s, f"n_{table}", getattr(s, f"n_{table}") + good.num_rows)
+            loaded_by_sha: dict[str, Counter] = {}
+            for table in stage.STAGED_TABLES:
+                cols = ", ".join(f'"{f.name}"' for f in ARROW_SCHEMAS[table])
+                meta = "input_sha256, $now AS loaded_at" + (", $run_id AS run_id" if table in _DATA_TABLES else "")
+                good = f"FROM stage_{table} WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')"
+                cond = " AND ".join(f"t.{k} = s.{k}" for k in UPSERT_KEYS[table])
+                conn.execute(f"DELETE FROM {table} AS t USING (SELECT * {good}) AS s WHERE {cond}")
+                conn.execute(
+                    f"INSERT INTO {table} BY NAME SELECT {cols}, {meta} {good}",
+                    {"now": now, "run_id": run_id} if table in _DATA_TABLES else {"now": now},
+                )
+                if table in _DATA_TABLES:
+                    per_sha = conn.execute(f"SELECT input_sha256, count(*) {good} GROUP BY 1").fetchall()
+                    for sha, n in per_sha:
+                        loaded_by_sha.setdefault(sha, Counter())[table] += n
+                    setattr(s, f"n_{table}", getattr(s, f"n_{table}") + sum(n for _, n in per_sha))
 
+            raw_by_row = {}
+            for table in _DATA_TABLES:
+                raws = stage.raw_records(conn, table, [r for t, r in failed if t == table])
+                raw_by_row.update({(table, r): v for r, v in raws.items()})
             quarantine = []
             for q in outcome.quarantine:
-                sha, rec = recs[q["table"]][q["row"]]
+                sha, raw = raw_by_row[(q["table"], q["row"])]
                 quarantine.append({
                     "run_id": run_id, "input_sha256": sha, "record_kind": q["record_kind"],
                     "record_key": q["record_key"], "check_name": q["check_name"], "detail": q["detail"],
-                    "record_json": orjson.dumps(rec.raw, default=str, option=orjson.OPT_NON_STR_KEYS).decode(),
-                    "quarantined_at": now,
+                    "record_json": raw, "quarantined_at": now,
                 })
             insert_rows(conn, "quarantine", quarantine)
-            s.n_quarantined += len({(q["table"], q["row"]) for q in outcome.quarantine})
+            s.n_quarantined += len(failed)
             results = [dict(r, run_id=run_id, batch_no=self.batch_no, validated_at=now) for r in outcome.results]
             insert_rows(conn, "validation_results", results)
             s.n_expectations += len(results)
@@ -234,7 +227,6 @@ class _Run:
         except Exception:
             conn.execute("ROLLBACK")
             raise
-        self.known.update(landed.sha256 for landed, _, _ in batch.inputs)
 
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
@@ -254,7 +246,13 @@ class _Run:
                 "limit (FEATUREHOUSE_MAX_INPUT_BYTES); it is landed but was not parsed"
             )
             self._reject(batch, landed, "unknown", reason)
-            return
+        elif _duckdb_readable(landed.data):
+            batch.fast.append(replace(landed, data=None))  # DuckDB reads it from the landing area
+            batch.n_bytes += landed.n_bytes
+        else:
+            self._parse(batch, landed)
+
+    def _parse(self, batch: _Batch, landed: Landed) -> None:
         try:
             parsed = parse_bytes(landed.data, self.settings)
         except Rejected as exc:
@@ -262,11 +260,12 @@ class _Run:
         except RecursionError:
             self._reject(batch, landed, "unknown", "input is nested too deeply to parse; refused")
         except Exception as exc:  # a parser bug must not stop the run; the input stays landed
-            log.exception("unexpected error parsing %s", item.origin)
+            log.exception("unexpected error parsing %s", landed.input.origin)
             self._reject(batch, landed, "unknown", f"could not be parsed ({type(exc).__name__}: {exc})")
         else:
-            s.n_loaded += 1
-            batch.add(landed, parsed)
+            self.summary.n_loaded += 1
+            batch.add(replace(landed, data=None), parsed)
+            batch.n_bytes += landed.n_bytes
 
     def _reject(self, batch: _Batch, landed: Landed, fmt: str, reason: str) -> None:
         self.summary.n_rejected += 1
@@ -295,12 +294,15 @@ def ingest(
     reprocess: bool = False,
     progress: bool | None = None,
     materialise_after: bool = True,
+    report_after: bool = True,
 ) -> RunSummary:
     """Ingest files, folders or in-memory inputs into the warehouse, and return what happened.
 
     Re-sending bytes already landed changes nothing (they are counted as duplicates) unless
     ``reprocess`` is set. Raises only when the run itself fails (the warehouse cannot be
-    written); bad inputs are recorded, never raised.
+    written); bad inputs are recorded, never raised. With ``report_after`` (the default) the
+    run's HTML report is written last (``summary.report_path``); a report that cannot be written
+    is logged and does not fail the run.
     """
     settings = settings or Settings.from_env()
     todo, total = _expand(inputs)
@@ -315,6 +317,7 @@ def ingest(
         else:
             conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",
                          [run_id, utcnow(), trigger])
+        threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
         run = _Run(conn, settings, summary, reprocess)
         batch = _Batch()
         show = progress if progress is not None else (total is None or total > 20)
@@ -322,7 +325,8 @@ def ingest(
             for item in todo:
                 run.take(item, batch)
                 bar.update(1)
-                if batch.n_activations >= settings.batch_activations or len(batch) >= _MAX_INPUTS_PER_BATCH:
+                if (batch.n_activations >= settings.batch_activations or batch.n_bytes >= settings.batch_bytes
+                        or len(batch) >= _MAX_INPUTS_PER_BATCH):
                     run.flush(batch)
                     batch = _Batch()
                 bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
@@ -337,9 +341,24 @@ def ingest(
                          [utcnow(), f"{type(exc).__name__}: {exc}", run_id])
         except duckdb.Error:
             pass
+        if report_after and isinstance(exc, Exception):
+            _write_report(conn, summary, settings)
         conn.close()
         raise
     summary.seconds = round(time.monotonic() - started, 3)
     conn.execute("UPDATE runs SET status = ?, finished_at = ? WHERE run_id = ?", [summary.status, utcnow(), run_id])
+    if report_after:
+        _write_report(conn, summary, settings)
     conn.close()
     return summary
+
+
+def _write_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
+    """Write the run's HTML report (it records its path in ``runs.report_path``); a failure
+    here is logged, not raised."""
+    try:
+        from . import report  # charts pull in Altair and vl-convert: only when a report is wanted
+
+        summary.report_path = str(report.write_report(conn, summary.run_id, settings=settings))
+    except Exception:
+        log.exception("could not write the report for run %s", summary.run_id)

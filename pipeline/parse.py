@@ -20,6 +20,7 @@ import orjson
 from . import flight
 from .config import SCHEMAS_DIR, Settings
 from .records import (
+    FEATURE_EXTRA_FIELDS,
     Activation,
     Explanation,
     Feature,
@@ -403,15 +404,11 @@ def _json(v: Any) -> str | None:
     ).decode()
 
 
-_FEATURE_COLUMNS = {
-    "modelId", "layer", "index", "sourceSetName", "maxActApprox", "frac_nonzero", "pos_str",
-    "pos_values", "neg_str", "neg_values", "hookName", "hasVector", "creatorId", "createdAt",
-}
 _FEATURE_RELATIONS = {"model", "source", "sourceSet", "activations", "explanations", "lists", "creator", "comments"}
 
 
 def _feature(p: dict, model_id: Any, source_id: Any, index: int | None) -> Feature:
-    extra = {k: v for k, v in p.items() if k not in _FEATURE_COLUMNS and k not in _FEATURE_RELATIONS}
+    extra = {k: p.get(k) for k in FEATURE_EXTRA_FIELDS}
     return Feature(
         model_id=_str(model_id),
         source_id=_str(source_id),

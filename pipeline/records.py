@@ -147,6 +147,17 @@ class ParsedInput:
     explanations: list[Explanation] = field(default_factory=list)
 
 
+#: Feature fields kept together in ``features.extra`` (JSON; null when a page lacks one).
+FEATURE_EXTRA_FIELDS: tuple[str, ...] = (
+    "vector", "vectorLabel", "vectorDefaultSteerStrength", "topkCosSimIndices", "topkCosSimValues",
+    "neuron_alignment_indices", "neuron_alignment_values", "neuron_alignment_l1",
+    "correlated_neurons_indices", "correlated_neurons_pearson", "correlated_neurons_l1",
+    "correlated_features_indices", "correlated_features_pearson", "correlated_features_l1",
+    "freq_hist_data_bar_heights", "freq_hist_data_bar_values", "logits_hist_data_bar_heights",
+    "logits_hist_data_bar_values", "decoder_weights_dist", "umap_cluster",
+    "umap_log_feature_sparsity", "umap_x", "umap_y",
+)
+
 _TS = pa.timestamp("us")
 _F64_LIST = pa.list_(pa.float64())
 _STR_LIST = pa.list_(pa.string())

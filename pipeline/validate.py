@@ -9,19 +9,26 @@ readable detail taken from the expectation's ``meta.detail`` template.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import duckdb
 import pyarrow as pa
 
 from .config import SCHEMAS_DIR
 
-__all__ = ["SUITES", "SuiteError", "ValidationOutcome", "validate_batch", "load_suite"]
+__all__ = [
+    "SUITES", "SuiteError", "ValidationOutcome", "validate_batch", "load_suite",
+    "store_results", "build_data_docs",
+]
 
 #: table name → record kind; one suite per table.
 SUITES = {"features": "feature", "activations": "activation", "explanations": "explanation"}
@@ -94,6 +101,16 @@ def _gx():
     return batches, suites
 
 
+_GX_LOCK = threading.Lock()
+
+
+def warm_up() -> None:
+    """Import Great Expectations and build the suites now (about 3 s), e.g. in a thread while
+    the first batch is landed and read: DuckDB releases the GIL, so the two overlap."""
+    with _GX_LOCK:
+        _gx()
+
+
 @dataclass
 class ValidationOutcome:
     """What one batch's validation decided."""
@@ -102,6 +119,8 @@ class ValidationOutcome:
     """table → boolean mask over the staged rows: True where every expectation passed."""
     quarantine: list[dict[str, Any]] = field(default_factory=list)
     results: list[dict[str, Any]] = field(default_factory=list)
+    gx_results: dict[str, Any] = field(default_factory=dict)
+    """table → Great Expectations' own validation result, for Data Docs (see ``store_results``)."""
 
 
 def _clean(v: Any) -> Any:
@@ -112,25 +131,27 @@ def _clean(v: Any) -> Any:
     return v
 
 
-def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, pa.Table]) -> ValidationOutcome:
-    """Validate staged Arrow tables (each with a ``_row`` column) with the tables' suites.
+def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> ValidationOutcome:
+    """Validate the batch's staged records with the tables' suites.
 
-    ``staged`` maps table name to the batch's records; they must already be registered in
-    ``conn`` as ``stage_<table>``. Returns pass masks, quarantine entries (without run and
+    ``staged`` names the tables to validate (its values are not used); each must be readable in
+    ``conn`` as ``stage_<table>`` (a view or table with a unique ``_row`` id per record). Returns pass masks, quarantine entries (without run and
     input ids, which the caller adds) and one result per expectation.
     """
-    batches, suites = _gx()
+    with _GX_LOCK:
+        batches, suites = _gx()
     outcome = ValidationOutcome()
-    for table, records in staged.items():
-        n = records.num_rows
+    for table in staged:
+        frame = conn.sql(_CHECK_SQL[table]).df()
+        n = len(frame)
         failed: dict[int, list[tuple[str, str]]] = {}
         if n:
-            frame = conn.sql(_CHECK_SQL[table]).df()
             batch = batches[table].get_batch(batch_parameters={"dataframe": frame})
             result = batch.validate(
                 suites[table],
                 result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["_row"]},
             )
+            outcome.gx_results[table] = result
             by_row = frame.set_index("_row", drop=False)
             for r in result.results:
                 cfg = r.expectation_config
@@ -141,7 +162,7 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, pa.Table])
                 raised = (r.exception_info or {}).get("raised_exception") if isinstance(r.exception_info, dict) else False
                 if raised:
                     # An expectation that could not run must not let records through unchecked.
-                    rows = list(range(n))
+                    rows = [int(x) for x in frame["_row"]]
                     msg = (r.exception_info or {}).get("exception_message", "expectation failed to run")
                     for row in rows:
                         failed.setdefault(row, []).append((check, f"check could not run: {msg}"))
@@ -173,8 +194,87 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, pa.Table])
                         {"table": table, "row": row, "record_kind": SUITES[table],
                          "record_key": str(by_row.loc[row, "record_key"]), "check_name": check, "detail": detail}
                     )
-        mask = [True] * n
-        for row in failed:
-            mask[row] = False
-        outcome.passed[table] = pa.array(mask, type=pa.bool_())
+        # Row ids need not be positions (the DuckDB road numbers rows by page and position).
+        outcome.passed[table] = pa.array([int(r) not in failed for r in frame["_row"]], type=pa.bool_())
     return outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# Great Expectations Data Docs. Validation itself runs in the ephemeral context above (fast, no
+# files); each batch's results are then written to a *file* data context under
+# ``<warehouse dir>/gx/`` and its Data Docs site is built for a run at report time.
+
+_PARTIAL = 20  # unexpected values and row indices kept per expectation in the stored results
+
+
+@functools.lru_cache(maxsize=4)
+def _file_context(project_dir: str):
+    _gx()  # sets up Great Expectations (analytics off) once per process
+    import great_expectations as gx
+
+    context = gx.get_context(mode="file", project_root_dir=project_dir)
+    existing = {s.name for s in context.suites.all()}
+    for table in SUITES:
+        spec = load_suite(table)
+        if spec["name"] not in existing:
+            context.suites.add(
+                gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
+            )
+    return context
+
+
+def _trim(result: Any) -> Any:
+    """Cap the per-row lists a COMPLETE result carries, so stored results stay small."""
+    for r in result.results:
+        info = r.result or {}
+        for key in ("unexpected_list", "unexpected_index_list"):
+            if isinstance(info.get(key), list) and len(info[key]) > _PARTIAL:
+                info[key] = info[key][:_PARTIAL]
+    return result
+
+
+def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
+                  outcome: ValidationOutcome) -> int:
+    """Write one batch's Great Expectations results to the file data context in ``project_dir``.
+
+    Results are keyed by suite, run name ``run_id``, the batch's time and ``batch-<n>``, which is
+    how ``build_data_docs`` finds a run's pages. Trims the stored per-row lists to 20 entries.
+    Returns how many results were written.
+    """
+    from great_expectations.core.run_identifier import RunIdentifier
+    from great_expectations.data_context.types.resource_identifiers import (
+        ExpectationSuiteIdentifier,
+        ValidationResultIdentifier,
+    )
+
+    context = _file_context(str(project_dir))
+    if getattr(validated_at, "tzinfo", True) is None:  # our timestamps are naive UTC
+        validated_at = validated_at.replace(tzinfo=datetime.timezone.utc)
+    for table, result in outcome.gx_results.items():
+        key = ValidationResultIdentifier(
+            expectation_suite_identifier=ExpectationSuiteIdentifier(name=result.suite_name),
+            run_id=RunIdentifier(run_name=run_id, run_time=validated_at),
+            batch_identifier=f"batch-{batch_no:04d}-{table}",
+        )
+        context.validation_results_store.set(key, _trim(result))
+    return len(outcome.gx_results)
+
+
+def build_data_docs(project_dir: Path | str, run_id: str) -> list[Path]:
+    """Build the Great Expectations Data Docs pages for one run's stored results.
+
+    Returns the run's validation pages (one per suite and batch, sorted); the site's index is
+    ``<project_dir>/gx/uncommitted/data_docs/local_site/index.html``. Returns an empty list
+    when the run stored no results.
+    """
+    context = _file_context(str(project_dir))
+    keys = [k for k in context.validation_results_store.list_keys() if k.run_id.run_name == run_id]
+    if not keys:
+        return []
+    sites = context.build_data_docs(resource_identifiers=keys)
+    root = Path(unquote(urlparse(sites["local_site"]).path)).parent
+    pages = []
+    for k in keys:
+        suite, run_name, run_time, batch = k.to_tuple()
+        pages.append(root / "validations" / suite / run_name / run_time / f"{batch}.html")
+    return sorted(p for p in pages if p.exists())

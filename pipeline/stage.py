@@ -1,0 +1,286 @@
+"""Stage a batch in DuckDB: typed ``stage_<table>`` views that validate and load read from.
+
+Two roads lead into the same staging views:
+
+* **API JSON pages** (one object per file, on one line — what the API and the fetcher send) are
+  read by DuckDB's own ``read_json`` straight from the landing area, typed by column. This is
+  the bulk road: it never builds Python objects for the millions of token values a batch holds,
+  which is what keeps ingest within a small factor of a bare ``read_json`` load (see bench/).
+* **Everything else** (flight text, HTML, gzip, exports, pretty-printed or odd JSON) is parsed in
+  Python (``parse.py``) into records, moved into DuckDB through Arrow.
+
+A file the DuckDB road cannot read cleanly (malformed, not one object, no valid key) falls back
+to the Python road, which either parses it or refuses it with a precise reason. The golden test
+checks that both roads give identical rows for the same page.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import orjson
+import pyarrow as pa
+
+from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
+
+__all__ = ["STAGED_TABLES", "read_api_json", "stage_parsed", "create_views", "raw_records", "drop"]
+
+#: Tables a batch stages, in load order.
+STAGED_TABLES = ("models", "source_sets", "sources", "features", "activations", "explanations")
+
+_PY_ROW_BASE = 1 << 40  # _row ids of Python-road records; DuckDB-road ids are page << 20 | position
+_MAX_OBJECT = 1 << 30
+
+_ACTIVATION = (
+    'STRUCT(id VARCHAR, modelId VARCHAR, layer VARCHAR, "index" VARCHAR, dataSource VARCHAR, '
+    'dataIndex VARCHAR, tokens VARCHAR[], "values" DOUBLE[], maxValue DOUBLE, '
+    "maxValueTokenIndex INTEGER, minValue DOUBLE, dfaValues DOUBLE[], dfaTargetIndex INTEGER, "
+    "dfaMaxValue DOUBLE, lossValues DOUBLE[], logitContributions VARCHAR, binMin DOUBLE, "
+    "binMax DOUBLE, binContains DOUBLE, qualifyingTokenIndex INTEGER, creatorId VARCHAR, "
+    "createdAt VARCHAR)[]"
+)
+_EXPLANATION = (
+    'STRUCT(id VARCHAR, modelId VARCHAR, layer VARCHAR, "index" VARCHAR, description VARCHAR, '
+    "explanationModelName VARCHAR, typeName VARCHAR, authorId VARCHAR, scores JSON, "
+    "createdAt VARCHAR)[]"
+)
+_PAGE_COLUMNS: dict[str, str] = {
+    "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR", "sourceSetName": "VARCHAR",
+    "maxActApprox": "DOUBLE", "frac_nonzero": "DOUBLE", "pos_str": "VARCHAR[]",
+    "pos_values": "DOUBLE[]", "neg_str": "VARCHAR[]", "neg_values": "DOUBLE[]",
+    "hookName": "VARCHAR", "hasVector": "BOOLEAN", "creatorId": "VARCHAR", "createdAt": "VARCHAR",
+    **{f: "JSON" for f in FEATURE_EXTRA_FIELDS},
+    "model": "JSON", "source": "JSON", "sourceSet": "JSON",
+    "activations": _ACTIVATION, "explanations": _EXPLANATION,
+}
+
+
+def _ts(expr: str) -> str:
+    return f"(TRY_CAST({expr} AS TIMESTAMPTZ) AT TIME ZONE 'UTC')"
+
+
+def _drop_keys(expr: str, keys: list[str]) -> str:
+    patch = orjson.dumps({k: None for k in keys}).decode()
+    return f"CAST(json_merge_patch({expr}, '{patch}') AS VARCHAR)"
+
+
+def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]]) -> set[str]:
+    """Read single-line API-JSON pages with DuckDB into the temp table ``fast_pages``.
+
+    ``files`` pairs each input's sha256 with its landed path. Returns the digests read cleanly
+    (exactly one object with a model, a source and a numeric index); the others are removed
+    from ``fast_pages`` and must take the Python road.
+    """
+    conn.execute("CREATE OR REPLACE TEMP TABLE fast_files (path VARCHAR, input_sha256 VARCHAR, _page BIGINT)")
+    columns = ", ".join(f'"{name}" {sql_type}' for name, sql_type in _PAGE_COLUMNS.items())
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE fast_pages (input_sha256 VARCHAR, _page BIGINT, {columns})")
+    if not files:
+        return set()
+    conn.register("_fast_files", pa.table({
+        "path": [str(p) for _, p in files],
+        "input_sha256": [sha for sha, _ in files],
+        "_page": list(range(len(files))),
+    }))
+    conn.execute("INSERT INTO fast_files SELECT * FROM _fast_files")
+    conn.unregister("_fast_files")
+    conn.execute(
+        """INSERT INTO fast_pages BY NAME
+           SELECT f.input_sha256, f._page, j.* EXCLUDE (filename)
+           FROM read_json($files, columns = $columns, format = 'newline_delimited',
+                          filename = true, ignore_errors = true,
+                          maximum_object_size = $max_object) AS j
+           JOIN fast_files AS f ON f.path = j.filename""",
+        {"files": [str(p) for _, p in files], "columns": _PAGE_COLUMNS, "max_object": _MAX_OBJECT},
+    )
+    good = {
+        sha for (sha,) in conn.execute(
+            """SELECT input_sha256 FROM fast_pages GROUP BY input_sha256
+               HAVING count(*) = 1
+                  AND bool_and(coalesce(modelId <> '' AND layer <> ''
+                               AND regexp_full_match("index", '-?[0-9]{1,18}'), false))"""
+        ).fetchall()
+    }
+    conn.execute(
+        "DELETE FROM fast_pages WHERE input_sha256 NOT IN (SELECT unnest($good::VARCHAR[]))",
+        {"good": sorted(good)},
+    )
+    return good
+
+
+def _arrow_with_meta(table: str, items: list[tuple[str, Any]], start: int) -> pa.Table:
+    arrow = to_arrow(table, [r for _, r in items])
+    n = arrow.num_rows
+    arrow = arrow.append_column("input_sha256", pa.array([sha for sha, _ in items], pa.string()))
+    arrow = arrow.append_column("_row", pa.array(range(start, start + n), pa.int64()))
+    if table in ("features", "activations", "explanations"):
+        raw = [orjson.dumps(r.raw, default=str, option=orjson.OPT_NON_STR_KEYS).decode() for _, r in items]
+        arrow = arrow.append_column("_raw", pa.array(raw, pa.string()))
+    if table == "activations":
+        arrow = arrow.append_column("page_key", pa.array([r.page_key for _, r in items], pa.string()))
+    return arrow
+
+
+def stage_parsed(conn: duckdb.DuckDBPyConnection, records: dict[str, list[tuple[str, Any]]]) -> None:
+    """Move Python-road records (``table → [(sha256, record)]``) into temp tables ``py_<table>``."""
+    for table in STAGED_TABLES:
+        arrow = _arrow_with_meta(table, records.get(table, []), _PY_ROW_BASE)
+        conn.register("_py_rows", arrow)
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE py_{table} AS SELECT * FROM _py_rows")
+        conn.unregister("_py_rows")
+
+
+def _fast_select(table: str) -> str:
+    """SQL giving the DuckDB road's rows for ``table``, with the same columns as the Python road."""
+    key = 'CAST(CAST(p."index" AS BIGINT) AS VARCHAR)'
+    if table == "features":
+        extra = ", ".join(f"'{f}', p.\"{f}\"" for f in FEATURE_EXTRA_FIELDS)
+        return f"""
+            SELECT p.modelId AS model_id, p.layer AS source_id, CAST(p."index" AS BIGINT) AS feature_index,
+                   p.sourceSetName AS source_set_name, p.maxActApprox AS max_act_approx,
+                   p.frac_nonzero, p.pos_str, p.pos_values, p.neg_str, p.neg_values,
+                   p.hookName AS hook_name, p.hasVector AS has_vector, p.creatorId AS creator_id,
+                   {_ts("p.createdAt")} AS created_at,
+                   CAST(json_object({extra}) AS VARCHAR) AS extra,
+                   p.input_sha256, p._page << 20 AS _row
+            FROM fast_pages AS p"""
+    if table == "activations":
+        return f"""
+            SELECT a.id AS activation_id, a.modelId AS model_id, a.layer AS source_id,
+                   TRY_CAST(a."index" AS BIGINT) AS feature_index, a.dataSource AS data_source,
+                   a.dataIndex AS data_index, a.tokens, a."values", a.maxValue AS max_value,
+                   a.maxValueTokenIndex AS max_value_token_index, a.minValue AS min_value,
+                   a.dfaValues AS dfa_values, a.dfaTargetIndex AS dfa_target_index,
+                   a.dfaMaxValue AS dfa_max_value, a.lossValues AS loss_values,
+                   a.logitContributions AS logit_contributions, a.binMin AS bin_min,
+                   a.binMax AS bin_max, a.binContains AS bin_contains,
+                   a.qualifyingTokenIndex AS qualifying_token_index, a.creatorId AS creator_id,
+                   {_ts("a.createdAt")} AS created_at,
+                   input_sha256, (_page << 20) + pos AS _row, page_key
+            FROM (
+                SELECT p.input_sha256, p._page,
+                       p.modelId || '/' || p.layer || '/' || {key} AS page_key,
+                       unnest(p.activations) AS a, generate_subscripts(p.activations, 1) AS pos
+                FROM fast_pages AS p
+            )"""
+    if table == "explanations":
+        return f"""
+            SELECT e.id AS explanation_id, coalesce(e.modelId, page_model) AS model_id,
+                   coalesce(e.layer, page_layer) AS source_id,
+                   coalesce(TRY_CAST(e."index" AS BIGINT), page_index) AS feature_index,
+                   e.description, e.explanationModelName AS explanation_model,
+                   e.typeName AS type_name, e.authorId AS author_id,
+                   CAST(e.scores AS VARCHAR) AS scores, {_ts("e.createdAt")} AS created_at,
+                   input_sha256, (_page << 20) + pos AS _row
+            FROM (
+                SELECT p.input_sha256, p._page, p.modelId AS page_model, p.layer AS page_layer,
+                       CAST(p."index" AS BIGINT) AS page_index,
+                       unnest(p.explanations) AS e, generate_subscripts(p.explanations, 1) AS pos
+                FROM fast_pages AS p
+            )"""
+    if table == "models":
+        core = ["id", "displayName", "owner", "tlensId", "layers", "dimension", "createdAt", "updatedAt"]
+        return f"""
+            SELECT model->>'id' AS model_id, model->>'displayName' AS display_name,
+                   model->>'owner' AS owner, model->>'tlensId' AS tlens_id,
+                   TRY_CAST(model->>'layers' AS INTEGER) AS n_layers,
+                   TRY_CAST(model->>'dimension' AS INTEGER) AS dimension,
+                   {_ts("model->>'createdAt'")} AS created_at, {_ts("model->>'updatedAt'")} AS updated_at,
+                   {_drop_keys("model", core)} AS extra, input_sha256, _page << 20 AS _row
+            FROM fast_pages WHERE json_type(model) = 'OBJECT'"""
+    if table == "sources":
+        core = ["id", "modelId", "setName", "hfRepoId", "hfFolderId", "dataset", "num_tokens_in_prompt", "createdAt"]
+        return f"""
+            SELECT coalesce(source->>'modelId', modelId) AS model_id, coalesce(source->>'id', '') AS source_id,
+                   source->>'setName' AS source_set_name, source->>'hfRepoId' AS hf_repo_id,
+                   source->>'hfFolderId' AS hf_folder_id, source->>'dataset' AS dataset,
+                   TRY_CAST(source->>'num_tokens_in_prompt' AS INTEGER) AS num_tokens_in_prompt,
+                   {_ts("source->>'createdAt'")} AS created_at,
+                   {_drop_keys("source", core)} AS extra, input_sha256, _page << 20 AS _row
+            FROM fast_pages WHERE json_type(source) = 'OBJECT'"""
+    if table == "source_sets":
+        core = ["modelId", "name", "description", "type", "creatorName", "releaseName", "urls", "createdAt"]
+        return f"""
+            SELECT coalesce(sourceSet->>'modelId', modelId) AS model_id,
+                   coalesce(sourceSet->>'name', '') AS source_set_name,
+                   sourceSet->>'description' AS description, sourceSet->>'type' AS type_name,
+                   sourceSet->>'creatorName' AS creator_name, sourceSet->>'releaseName' AS release_name,
+                   CAST(sourceSet->'urls' AS VARCHAR[]) AS urls,
+                   {_ts("sourceSet->>'createdAt'")} AS created_at,
+                   {_drop_keys("sourceSet", core)} AS extra, input_sha256, _page << 20 AS _row
+            FROM fast_pages WHERE json_type(sourceSet) = 'OBJECT'"""
+    raise ValueError(table)
+
+
+#: Columns whose equality makes two staged records "the same record".
+def _content_columns(table: str) -> list[str]:
+    return [f.name for f in ARROW_SCHEMAS[table]]
+
+
+def create_views(conn: duckdb.DuckDBPyConnection) -> None:
+    """Create the ``stage_<table>`` tables: both roads united, exact duplicates collapsed.
+
+    A record that arrives more than once in a batch with identical contents (the same page in
+    two formats) is kept once, the last copy. Copies of one key with different contents are all
+    kept, so that the suite's uniqueness expectation refuses them rather than one silently
+    winning. Bookkeeping tables (models, sources, source sets) keep the last copy per key.
+    The (costly) content hash is only computed when a key repeats at all.
+    """
+    for table in STAGED_TABLES:
+        keys = _KEYS[table]
+        union = f"""SELECT * FROM ({_fast_select(table)})
+                    UNION ALL BY NAME
+                    SELECT * EXCLUDE (_raw) FROM py_{table}""" if table in _RAW_TABLES else f"""
+                    SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"""
+        conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table}_all AS {union}")
+        (repeats,) = conn.execute(
+            f"SELECT count(*) > count(DISTINCT ({keys})) FROM stage_{table}_all"
+        ).fetchone()
+        if not repeats:
+            qualify = ""
+        elif table in _RAW_TABLES:
+            content = ", ".join(f'"{c}"' for c in _content_columns(table))
+            qualify = f"QUALIFY row_number() OVER (PARTITION BY {keys}, hash({content}) ORDER BY _row DESC) = 1"
+        else:
+            qualify = f"QUALIFY row_number() OVER (PARTITION BY {keys} ORDER BY _row DESC) = 1"
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_{table} AS SELECT * FROM stage_{table}_all {qualify}")
+        conn.execute(f"DROP VIEW stage_{table}_all")
+
+
+def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) -> dict[int, tuple[str, str]]:
+    """The records behind staged ``rows`` of ``table``, as received: ``_row → (sha256, JSON)``."""
+    if not rows:
+        return {}
+    fast = [r for r in rows if r < _PY_ROW_BASE]
+    out: dict[int, tuple[str, str]] = {}
+    if fast:
+        column = {"features": None, "activations": "activations", "explanations": "explanations"}[table]
+        drop = ["activations", "explanations", "model", "source", "sourceSet", "input_sha256", "_page"]
+        raw = f"{_drop_keys('to_json(p)', drop)}" if column is None else f"CAST(to_json(p.{column}[(r._row & 1048575)]) AS VARCHAR)"
+        q = f"""SELECT r._row, p.input_sha256, {raw}
+                FROM (SELECT unnest($rows::BIGINT[]) AS _row) AS r
+                JOIN fast_pages AS p ON p._page = r._row >> 20"""
+        out.update({r: (sha, j) for r, sha, j in conn.execute(q, {"rows": fast}).fetchall()})
+    slow = [r for r in rows if r >= _PY_ROW_BASE]
+    if slow:
+        q = f"SELECT _row, input_sha256, _raw FROM py_{table} WHERE _row IN (SELECT unnest($rows::BIGINT[]))"
+        out.update({r: (sha, j) for r, sha, j in conn.execute(q, {"rows": slow}).fetchall()})
+    return out
+
+
+_KEYS = {
+    "features": "model_id, source_id, feature_index", "activations": "activation_id",
+    "explanations": "explanation_id", "models": "model_id",
+    "sources": "model_id, source_id", "source_sets": "model_id, source_set_name",
+}
+_RAW_TABLES = ("features", "activations", "explanations")
+
+
+def drop(conn: duckdb.DuckDBPyConnection) -> None:
+    """Remove the batch's staging objects."""
+    for table in STAGED_TABLES:
+        conn.execute(f"DROP TABLE IF EXISTS stage_{table}")
+        conn.execute(f"DROP TABLE IF EXISTS py_{table}")
+    conn.execute("DROP TABLE IF EXISTS fast_pages")
+    conn.execute("DROP TABLE IF EXISTS fast_files")
