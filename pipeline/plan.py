@@ -311,7 +311,7 @@ def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None
     """
     from . import fetch
 
-    common = {"settings": settings, "window": chunk["window"]}
+    common = {"settings": settings, "window": chunk["window"], "progress": False}
     if chunk["via"] == "exports":
         batches = range(*chunk["batches"]) if chunk.get("batches") else None
         result = fetch.fetch_exports(chunk["model"], chunk["source"], batches=batches,

@@ -1,0 +1,127 @@
+"""
+### featurehouse_nightly
+
+Fetches the features listed in `featurehouse.toml` from Neuronpedia and loads them into the
+DuckDB warehouse, once a night (cron from `[schedule] cron`, default 03:00 UTC).
+
+1. **plan** reads `featurehouse.toml` and splits it into fetch chunks (fewer than
+   `[core] max_map_length`); each chunk is a small dict naming a source and an index range.
+2. **fetch** is mapped over the chunks in pool `neuronpedia_api`: each lands page bodies in the
+   landing area and never touches DuckDB, so chunks run side by side.
+3. **ingest** parses, validates and loads what the run's window landed, in pool
+   `warehouse_writer` (one slot: DuckDB has one writer).
+4. **materialise** refreshes the activation statistics and publishes them as Assets.
+5. **report** writes the run's data-quality report.
+
+Every task is keyed by the run's data interval (window `featurehouse_nightly-<start>`, warehouse
+run id `airflow-featurehouse_nightly-<start>`), so a retry or a re-run resumes instead of
+fetching or loading twice. The code is in `pipeline/`; each task is a call into it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import Asset, dag, task
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DAG_ID = "featurehouse_nightly"
+FEATURE_STATS = Asset(name="featurehouse.feature_activation_stats",
+                      uri="duckdb://featurehouse/feature_activation_stats")
+SOURCE_STATS = Asset(name="featurehouse.source_activation_stats",
+                     uri="duckdb://featurehouse/source_activation_stats")
+
+
+def _schedule() -> str:
+    """The cron, read with the stdlib only: this file is parsed every few seconds, so it must not
+    import the pipeline (DuckDB, Arrow). ``pipeline.plan.load_plan`` applies the same rule."""
+    if os.environ.get("FEATUREHOUSE_SCHEDULE"):
+        return os.environ["FEATUREHOUSE_SCHEDULE"]
+    path = Path(os.environ.get("FEATUREHOUSE_CONFIG") or Path(__file__).resolve().parent.parent / "featurehouse.toml")
+    try:
+        return tomllib.loads(path.read_text()).get("schedule", {}).get("cron", "0 3 * * *")
+    except (OSError, tomllib.TOMLDecodeError):
+        return "0 3 * * *"  # the plan task then fails with the real error, naming the file
+
+
+def _key(context: dict):
+    """The run's key: its data interval start (a manual run without one: its logical date / run_after)."""
+    return context.get("data_interval_start") or context.get("logical_date") or context["dag_run"].run_after
+
+
+default_args = {
+    "owner": "featurehouse",
+    "retries": 3,
+    "retry_delay": timedelta(minutes=1),
+    "retry_exponential_backoff": True,
+    "max_retry_delay": timedelta(minutes=30),
+}
+
+
+@dag(
+    dag_id=DAG_ID,
+    schedule=_schedule(),
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    default_args=default_args,
+    tags=["featurehouse", "neuronpedia", "nightly"],
+    doc_md=__doc__,
+)
+def featurehouse_nightly():
+    @task
+    def plan(**context) -> list[dict]:
+        from airflow.sdk import conf
+
+        from pipeline.plan import chunks, load_plan, window_for
+
+        return chunks(load_plan(), window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
+
+    @task(pool="neuronpedia_api", retries=4, max_active_tis_per_dagrun=4)
+    def fetch(chunk: dict) -> dict:
+        from pipeline.config import Settings
+        from pipeline.plan import fetch_chunk, load_plan
+
+        return fetch_chunk(chunk, Settings.from_env(warehouse=load_plan().warehouse))
+
+    @task(pool="warehouse_writer")
+    def ingest(**context) -> dict:
+        from pipeline.config import Settings
+        from pipeline.fetch import ingest_fetched
+        from pipeline.plan import load_plan, run_id_for, window_for
+
+        settings = Settings.from_env(warehouse=load_plan().warehouse)
+        key = _key(context)
+        return ingest_fetched(window_for(key, DAG_ID), settings, run_id=run_id_for(key, DAG_ID),
+                              trigger="airflow", progress=False).as_dict()
+
+    @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
+    def materialise(**context) -> dict:
+        from pipeline import materialise as refresh
+        from pipeline import warehouse
+        from pipeline.plan import load_plan, run_id_for
+
+        with warehouse.connect(load_plan().warehouse) as conn:
+            return refresh(conn, run_id_for(_key(context), DAG_ID)).as_dict()
+
+    @task(pool="warehouse_writer")
+    def report(**context) -> dict:
+        from pipeline.plan import load_plan, run_id_for
+        from pipeline.report import write_report
+
+        run_id = run_id_for(_key(context), DAG_ID)
+        return {"run_id": run_id, "report_path": str(write_report(load_plan().warehouse, run_id))}
+
+    fetched = fetch.expand(chunk=plan())
+    fetched >> ingest() >> materialise() >> report()
+
+
+featurehouse_nightly()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prepare Airflow for featurehouse: migrate the metadata database, create the pools the DAGs
+# use, and set the admin's password. Idempotent. Run by docker-compose.yml's airflow-init
+# service, and by the tests before they start Airflow (so the two cannot drift apart).
+set -euo pipefail
+
+airflow db migrate
+airflow pools set neuronpedia_api "${FEATUREHOUSE_API_SLOTS:-4}" "Fetch tasks calling Neuronpedia at once (each keeps its own rate budget)"
+airflow pools set warehouse_writer 1 "DuckDB has one writer: every task that writes the warehouse"
+
+# The simple auth manager reads users from AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS and their
+# passwords from this file (it would invent and print one otherwise).
+if [ -n "${AIRFLOW_ADMIN_PASSWORD:-}" ]; then
+  file="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE:-${AIRFLOW_HOME:-$HOME/airflow}/simple_auth_manager_passwords.json.generated}"
+  mkdir -p "$(dirname "$file")"
+  python -c 'import json, os, sys; print(json.dumps({os.environ.get("AIRFLOW_ADMIN_USER", "admin"): os.environ["AIRFLOW_ADMIN_PASSWORD"]}))' > "$file"
+  chmod 600 "$file"
+fi

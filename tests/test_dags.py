@@ -1,0 +1,127 @@
+"""DAG integrity: every file in dags/ imports cleanly in Airflow's own DagBag, and the DAGs keep
+the house rules (tags, retries with backoff, one writer, idempotent keys, nothing heavy at top level).
+
+Airflow reads its configuration at import time, so the DagBag is built in a subprocess with its
+own AIRFLOW_HOME and the result comes back as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.plan import load_plan
+from tests.airflow_helpers import REPO, airflow_env
+
+DAGS = REPO / "dags"
+WRITERS = {"featurehouse_nightly": {"ingest", "materialise", "report"}, "featurehouse_inbox": {"drain"}}
+
+_PROBE = r"""
+import json, sys
+from airflow.dag_processing.dagbag import DagBag
+# known_pools: a task naming a pool the deployment does not create is an import error
+bag = DagBag(dag_folder=sys.argv[1], known_pools={"default_pool", "neuronpedia_api", "warehouse_writer"})
+out = {"import_errors": {k: str(v) for k, v in bag.import_errors.items()}, "dags": {}}
+for dag_id, dag in bag.dags.items():
+    dag.check_cycle()  # raises on a cycle
+    tasks = {}
+    for t in dag.tasks:
+        tasks[t.task_id] = {
+            "pool": t.pool, "retries": t.retries, "backoff": bool(t.retry_exponential_backoff),
+            "upstream": sorted(t.upstream_task_ids), "mapped": type(t).__name__.startswith("Mapped") or hasattr(t, "expand_input"),
+            "outlets": [getattr(o, "uri", str(o)) for o in (t.outlets or [])],
+        }
+    out["dags"][dag_id] = {
+        "fileloc": dag.fileloc, "tags": sorted(dag.tags), "catchup": dag.catchup,
+        "max_active_runs": dag.max_active_runs, "doc_md": dag.doc_md or "",
+        "timetable": type(dag.timetable).__name__, "summary": getattr(dag.timetable, "expression", None),
+        "tasks": tasks, "sorted": [t.task_id for t in dag.topological_sort()],
+    }
+print("JSON:" + json.dumps(out))
+"""
+
+_HEAVY = r"""
+import importlib.util, json, sys
+import airflow.sdk
+before = set(sys.modules)
+for path in sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location("dagfile", path)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+heavy = ("duckdb", "pyarrow", "pandas", "great_expectations", "altair", "pipeline", "requests")
+print("JSON:" + json.dumps(sorted(m for m in heavy if m in sys.modules and m not in before)))
+"""
+
+
+def _run(code: str, args: list[str], tmp_path: Path, **env: str):
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=airflow_env(tmp_path / "home", **env),
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:")][-1]
+    return json.loads(line[5:])
+
+
+@pytest.fixture(scope="module")
+def bag(tmp_path_factory):
+    return _run(_PROBE, [str(DAGS)], tmp_path_factory.mktemp("dagbag"))
+
+
+def test_every_dag_file_imports_without_errors(bag):
+    assert bag["import_errors"] == {}
+    files = {Path(d["fileloc"]).name for d in bag["dags"].values()}
+    assert files == {p.name for p in DAGS.glob("*.py")}
+    assert set(bag["dags"]) == {"featurehouse_nightly", "featurehouse_inbox"}
+
+
+@pytest.mark.parametrize("dag_id", ["featurehouse_nightly", "featurehouse_inbox"])
+def test_house_rules(bag, dag_id):
+    dag = bag["dags"][dag_id]
+    assert "featurehouse" in dag["tags"]
+    assert dag["catchup"] is False and dag["max_active_runs"] == 1
+    assert dag["doc_md"].strip().startswith(f"### {dag_id}")
+    for task_id, t in dag["tasks"].items():
+        assert t["retries"] >= 2, task_id
+        assert t["backoff"], task_id
+    # no cycles (check_cycle passed in the probe) and a topological order covers every task
+    assert sorted(dag["sorted"]) == sorted(dag["tasks"])
+
+
+@pytest.mark.parametrize("dag_id", ["featurehouse_nightly", "featurehouse_inbox"])
+def test_writing_tasks_use_the_one_slot_pool_and_nothing_else_does(bag, dag_id):
+    tasks = bag["dags"][dag_id]["tasks"]
+    assert {t for t, v in tasks.items() if v["pool"] == "warehouse_writer"} == WRITERS[dag_id]
+
+
+def test_nightly_shape(bag):
+    dag = bag["dags"]["featurehouse_nightly"]
+    t = dag["tasks"]
+    assert dag["sorted"] == ["plan", "fetch", "ingest", "materialise", "report"]
+    assert t["fetch"]["pool"] == "neuronpedia_api" and t["fetch"]["mapped"] and not t["plan"]["mapped"]
+    assert t["fetch"]["upstream"] == ["plan"] and t["ingest"]["upstream"] == ["fetch"]
+    assert t["materialise"]["upstream"] == ["ingest"] and t["report"]["upstream"] == ["materialise"]
+    assert any("feature_activation_stats" in o for o in t["materialise"]["outlets"])
+    assert any("source_activation_stats" in o for o in t["materialise"]["outlets"])
+    assert dag["timetable"] == "CronTriggerTimetable"
+
+
+def test_nightly_schedule_comes_from_featurehouse_toml(bag, tmp_path):
+    assert load_plan(env={}).schedule in bag["dags"]["featurehouse_nightly"]["summary"]
+    # FEATUREHOUSE_CONFIG and FEATUREHOUSE_SCHEDULE move it, as pipeline.plan reads them
+    cfg = tmp_path / "fh.toml"
+    cfg.write_text('[schedule]\ncron = "15 4 * * *"\n')
+    other = _run(_PROBE, [str(DAGS)], tmp_path, FEATUREHOUSE_CONFIG=str(cfg))
+    assert other["dags"]["featurehouse_nightly"]["summary"] == "15 4 * * *"
+    assert load_plan(env={"FEATUREHOUSE_CONFIG": str(cfg)}).schedule == "15 4 * * *"
+
+
+def test_dag_files_import_nothing_heavy(tmp_path):
+    assert _run(_HEAVY, [str(p) for p in sorted(DAGS.glob("*.py"))], tmp_path) == []
+
+
+def test_inbox_shape(bag):
+    dag = bag["dags"]["featurehouse_inbox"]
+    assert list(dag["tasks"]) == ["drain"]
+    assert dag["summary"] == "*/10 * * * *"
