@@ -52,7 +52,7 @@ per_group AS (
 SELECT
     g.*,
     coalesce(t.top_tokens, []) AS top_tokens,
-    now()::TIMESTAMP           AS refreshed_at
+    now() AT TIME ZONE 'UTC'   AS refreshed_at  -- UTC, whatever the session time zone
 FROM per_group AS g
 LEFT JOIN top AS t
     ON  t.model_id = g.model_id AND t.source_id = g.source_id

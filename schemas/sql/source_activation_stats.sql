@@ -19,6 +19,6 @@ SELECT
     median(max_activation)                          AS median_feature_max_activation,
     sum(mean_active_activation * n_active_tokens) / nullif(sum(n_active_tokens), 0)
                                                     AS mean_active_activation,
-    now()::TIMESTAMP                                AS refreshed_at
+    now() AT TIME ZONE 'UTC'                        AS refreshed_at  -- UTC, whatever the session time zone
 FROM source
 GROUP BY ALL

@@ -1,0 +1,143 @@
+"""Materialise: the stats tables, computed here independently in Python from the page itself."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from datetime import datetime, timedelta, timezone
+
+import duckdb
+import pytest
+
+from pipeline.config import Settings
+from pipeline.materialise import refresh
+from tests.conftest import good_page, query, run_ingest, seed_page_copy, write
+from tests.formats import to_api_json, to_flight
+
+KEY = ("gpt-oss-20b", "11-resid-post-aa")
+
+
+def _page_with_null_source() -> dict:
+    page = seed_page_copy()
+    for a in [a for a in page["activations"] if a["dataSource"] == "Chat"][:5]:
+        a["dataSource"] = None
+    return page
+
+
+def expected_feature_stats(page: dict) -> dict:
+    groups = defaultdict(list)
+    for a in page["activations"]:
+        if len(a["tokens"]) == len(a["values"]):  # the mismatched one is quarantined
+            groups[a["dataSource"]].append(a)
+    out = {}
+    for ds, acts in groups.items():
+        active = [v for a in acts for v in a["values"] if v > 0]
+        n_tokens = sum(len(a["tokens"]) for a in acts)
+        best: dict[str, float] = {}
+        for a in acts:
+            for t, v in zip(a["tokens"], a["values"], strict=True):
+                if v > 0:
+                    best[t] = max(best.get(t, v), v)
+        top = sorted(best.items(), key=lambda kv: -kv[1])[:10]
+        out[ds] = {
+            "n_examples": len(acts), "n_tokens": n_tokens, "n_active_tokens": len(active),
+            "active_token_fraction": len(active) / n_tokens,
+            "max_activation": max(a["maxValue"] for a in acts),
+            "mean_max_activation": statistics.fmean(a["maxValue"] for a in acts),
+            "mean_active_activation": statistics.fmean(active) if active else None,
+            "top": top, "best": best,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    root = tmp_path_factory.mktemp("materialise")
+    settings = Settings(warehouse=root / "wh.duckdb")
+    page = _page_with_null_source()
+    other = good_page(7)
+    run_ingest([write(root / "in" / "a.txt", to_flight(page)), write(root / "in" / "b.json", to_api_json(other))], settings)
+    return settings.warehouse, {45698: expected_feature_stats(page), 7: expected_feature_stats(other)}
+
+
+COLS = ["n_examples", "n_tokens", "n_active_tokens", "active_token_fraction", "max_activation",
+        "mean_max_activation", "mean_active_activation"]
+
+
+@pytest.mark.parametrize(("index", "data_source"), [(45698, "Chat"), (45698, "Non-Chat"), (45698, None),
+                                                    (7, "Chat"), (7, "Non-Chat"), (7, None)])
+def test_feature_activation_stats(loaded, index, data_source):
+    wh, expected = loaded
+    exp = expected[index][data_source]
+    rows = query(wh, f"SELECT {', '.join(COLS)}, top_tokens FROM feature_activation_stats "
+                     "WHERE model_id = ? AND source_id = ? AND feature_index = ? AND data_source IS NOT DISTINCT FROM ?",
+                 [*KEY, index, data_source])
+    assert len(rows) == 1
+    row = dict(zip([*COLS, "top_tokens"], rows[0], strict=True))
+    for c in ("n_examples", "n_tokens", "n_active_tokens"):
+        assert row[c] == exp[c], c
+    for c in ("active_token_fraction", "max_activation", "mean_max_activation", "mean_active_activation"):
+        assert row[c] == pytest.approx(exp[c], rel=1e-12), c
+    top = [(t["token"], t["activation"]) for t in row["top_tokens"]]
+    assert [v for _, v in top] == [v for _, v in exp["top"]]  # ordered by activation, highest first
+    assert all(exp["best"][t] == v for t, v in top)  # each token at its own highest activation
+    assert len({t for t, _ in top}) == len(top)
+
+
+def test_one_row_per_feature_and_data_source(loaded):
+    wh, expected = loaded
+    assert query(wh, "SELECT count(*) FROM feature_activation_stats") == [(sum(len(e) for e in expected.values()),)]
+    assert query(wh, "SELECT count(*) FROM feature_activation_stats WHERE data_source IS NULL") == [(2,)]
+
+
+@pytest.mark.parametrize("data_source", ["Chat", "Non-Chat", None])
+def test_source_activation_stats(loaded, data_source):
+    wh, expected = loaded
+    feats = [e[data_source] for e in expected.values() if data_source in e]
+    n_active = sum(f["n_active_tokens"] for f in feats)
+    exp = {
+        "n_features": len(feats), "n_examples": sum(f["n_examples"] for f in feats),
+        "n_tokens": sum(f["n_tokens"] for f in feats), "n_active_tokens": n_active,
+        "max_activation": max(f["max_activation"] for f in feats),
+        "mean_feature_max_activation": statistics.fmean(f["max_activation"] for f in feats),
+        "median_feature_max_activation": statistics.median(f["max_activation"] for f in feats),
+        "mean_active_activation": sum(f["mean_active_activation"] * f["n_active_tokens"] for f in feats) / n_active,
+    }
+    cols = list(exp)
+    rows = query(wh, f"SELECT {', '.join(cols)} FROM source_activation_stats WHERE model_id = ? AND source_id = ? "
+                     "AND data_source IS NOT DISTINCT FROM ?", [*KEY, data_source])
+    assert len(rows) == 1
+    for c, v in zip(cols, rows[0], strict=True):
+        assert v == pytest.approx(exp[c], rel=1e-12), c
+
+
+def test_refresh_only_touches_changed_features_and_mends_a_crash(loaded, tmp_path):
+    wh, _ = loaded
+    copy = tmp_path / "copy.duckdb"
+    copy.write_bytes(wh.read_bytes())
+    with duckdb.connect(str(copy)) as conn:
+        before = conn.execute("SELECT * EXCLUDE (refreshed_at) FROM feature_activation_stats ORDER BY ALL").fetchall()
+        conn.execute("DELETE FROM feature_activation_stats")  # as if a run crashed before materialising
+        conn.execute("DELETE FROM source_activation_stats")
+        r = refresh(conn)  # all features
+        assert (r.n_features, r.n_sources, r.feature_stats_rows) == (2, 1, 6)
+        after = conn.execute("SELECT * EXCLUDE (refreshed_at) FROM feature_activation_stats ORDER BY ALL").fetchall()
+        assert after == before
+        r = refresh(conn, "no-such-run")
+        assert (r.n_features, r.feature_stats_rows) == (0, 0)
+        assert conn.execute("SELECT count(*) FROM feature_activation_stats").fetchone() == (6,)
+
+
+def test_refreshed_at_is_utc_whatever_the_machine_time_zone(loaded, tmp_path):
+    """README: timestamps are UTC. A warehouse written on a machine in Tokyo must say so too."""
+    wh, _ = loaded
+    copy = tmp_path / "copy.duckdb"
+    copy.write_bytes(wh.read_bytes())
+    with duckdb.connect(str(copy)) as conn:
+        conn.execute("SET TimeZone = 'Asia/Tokyo'")
+        refresh(conn)
+        stamps = conn.execute("SELECT refreshed_at FROM feature_activation_stats UNION ALL "
+                              "SELECT refreshed_at FROM source_activation_stats").fetchall()
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    for (ts,) in stamps:
+        assert abs(ts - now) < timedelta(minutes=5), f"refreshed_at {ts} is not UTC now ({now})"
