@@ -1,0 +1,118 @@
+"""End to end through Airflow itself: a fresh AIRFLOW_HOME, `airflow db migrate` and the pools
+(deploy/airflow-init.sh, as the deployment runs it), then `airflow dags test` of both DAGs: the
+nightly one fetching from a fake Neuronpedia server, the inbox one draining the seed pages."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from pipeline.inbox import DONE_DIR, pending_files
+from pipeline.plan import run_id_for, window_for
+from tests.airflow_helpers import REPO, airflow, airflow_env, free_port, init, stop, wait_for_port
+
+pytestmark = pytest.mark.airflow
+
+LOGICAL_DATE = "2026-11-28T03:00:00+00:00"
+WANTED = list(range(0, 60)) + [150]  # what the config below asks for and the fake serves
+MISSING = 500  # asked for, not on the server: recorded as not found, the run goes on
+
+CONFIG = """
+[fetch]
+chunk_size = 25
+concurrency = 4
+[[sources]]
+model = "gpt-oss-20b"
+source = "11-resid-post-aa"
+indices = ["0:60", "150", "500"]
+"""
+
+
+def q(warehouse, sql, params=None):
+    with duckdb.connect(str(warehouse), read_only=True) as conn:
+        return conn.execute(sql, params or []).fetchall()
+
+
+@pytest.fixture(scope="module")
+def fake_neuronpedia(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("fake") / "fake.log"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_neuronpedia", "--port", str(port), "--n-features", "200"],
+                            cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_port(port, 30, proc, "fake Neuronpedia")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc, grace=5)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory, fake_neuronpedia):
+    """A fresh AIRFLOW_HOME (SQLite metadata), initialised by the deployment's own init script."""
+    root = tmp_path_factory.mktemp("airflow")
+    (root / "featurehouse.toml").write_text(CONFIG)
+    env = airflow_env(
+        root / "home",
+        FEATUREHOUSE_CONFIG=str(root / "featurehouse.toml"),
+        NEURONPEDIA_BASE_URL=fake_neuronpedia,
+        NEURONPEDIA_EXPORTS_URL=f"{fake_neuronpedia}/neuronpedia-datasets",
+        FEATUREHOUSE_INBOX_SETTLE_SECONDS="0",
+    )
+    init(env)
+    pools = airflow(["pools", "list", "-o", "plain"], env).stdout
+    assert "neuronpedia_api" in pools and "warehouse_writer" in pools
+    return env
+
+
+def test_nightly_fetches_from_the_fake_server_into_the_warehouse(home):
+    out = airflow(["dags", "test", "featurehouse_nightly", LOGICAL_DATE], home)
+    assert "state=success" in out.stdout + out.stderr
+
+    wh = home["FEATUREHOUSE_WAREHOUSE"]
+    key = datetime.fromisoformat(LOGICAL_DATE)
+    run_id = run_id_for(key)
+    got = [i for (i,) in q(wh, "SELECT feature_index FROM features ORDER BY 1")]
+    assert got == WANTED
+    assert q(wh, "SELECT count(*) FROM activations")[0][0] > 0
+    assert q(wh, "SELECT count(DISTINCT feature_index) FROM feature_activation_stats")[0][0] == len(WANTED)
+    assert q(wh, "SELECT status, trigger, n_loaded, n_rejected FROM runs WHERE run_id = ?", [run_id]) == [
+        ("succeeded", "airflow", len(WANTED), 0)]
+    failures = q(wh, 'SELECT "window", feature_key, status FROM fetch_failures WHERE run_id = ?', [run_id])
+    assert len(failures) == 1 and failures[0][0] == window_for(key) and str(MISSING) in failures[0][1]
+    assert failures[0][2] == "not_found" and failures[0][1].endswith(f"/{MISSING}")
+    (report_path,) = q(wh, "SELECT report_path FROM runs WHERE run_id = ?", [run_id])[0]
+    assert report_path and Path(report_path).exists()
+
+    # the same logical date again: the same window and run id, nothing fetched or loaded twice
+    n_raw = q(wh, "SELECT count(*) FROM raw_inputs")[0][0]
+    airflow(["dags", "test", "featurehouse_nightly", LOGICAL_DATE], home)
+    assert q(wh, "SELECT count(*) FROM runs WHERE run_id LIKE 'airflow-featurehouse_nightly-%'")[0][0] == 1
+    assert q(wh, "SELECT count(*) FROM raw_inputs")[0][0] == n_raw
+    assert q(wh, "SELECT count(*) FROM features")[0][0] == len(WANTED)
+    assert q(wh, "SELECT n_loaded, n_duplicates FROM runs WHERE run_id = ?", [run_id]) == [(0, len(WANTED))]
+
+
+def test_inbox_drains_the_seeds(home):
+    inbox = Path(home["FEATUREHOUSE_INBOX"])
+    inbox.mkdir(parents=True, exist_ok=True)
+    seeds = sorted((REPO / "samples").iterdir())
+    for f in seeds:
+        shutil.copyfile(f, inbox / f.name)
+
+    out = airflow(["dags", "test", "featurehouse_inbox", LOGICAL_DATE], home)
+    assert "state=success" in out.stdout + out.stderr
+
+    assert pending_files(inbox) == ([], 0)  # the inbox is empty ...
+    done = sorted(p.name for p in (inbox / DONE_DIR).rglob("*") if p.is_file())
+    assert done == [f.name for f in seeds]  # ... and nothing was lost
+    wh = home["FEATUREHOUSE_WAREHOUSE"]
+    statuses = dict(q(wh, "SELECT regexp_extract(origin, '[^/]+$'), status FROM raw_inputs "
+                          "WHERE run_id LIKE 'airflow-featurehouse_inbox-%'"))
+    assert statuses == {"000_e9e35889d0228029.txt": "loaded", "002_cdcf7f83dd4b10f8.txt": "rejected"}
+    assert q(wh, "SELECT count(*) FROM features WHERE feature_index = 45698")[0][0] == 1
