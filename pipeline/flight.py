@@ -91,6 +91,8 @@ def parse_rows(data: bytes) -> dict[str, Any]:
             try:
                 rows[row_id] = orjson.loads(payload)
             except orjson.JSONDecodeError as exc:
+                if nl < 0 and "end of data" in str(exc):
+                    raise FlightError(f"row {row_id} is truncated: the text ends inside it ({exc})") from exc
                 raise FlightError(f"row {row_id} is not valid JSON: {exc}") from exc
         else:
             rows[row_id] = ("tag", payload.decode("utf-8", "replace"))

@@ -93,7 +93,7 @@ def _utf8(data: bytes, what: str) -> str:
 
 def _json_error(exc: Exception, what: str) -> Rejected:
     msg = str(exc)
-    if "recursion" in msg.lower():
+    if "recursion" in msg.lower() or "depth limit" in msg.lower():  # orjson's words for it
         return Rejected(f"{what} is nested deeper than 1024 levels; refused rather than parsed")
     if "unexpected end of data" in msg.lower() or "EOF" in msg:
         return Rejected(f"{what} is truncated: {msg}")
@@ -129,7 +129,8 @@ def parse_bytes(data: bytes, settings: Settings | None = None) -> ParsedInput:
             "(save the page after it has loaded, or fetch it through the API)"
         )
     else:
-        sample = body[:60].decode("utf-8", "replace").replace("\n", " ")
+        _utf8(body, "input")  # say so when it is not text at all (UTF-16, binary)
+        sample = body[:60].decode("utf-8", "ignore").replace("\n", " ")
         raise Rejected(
             "not a Neuronpedia feature page: it is neither JSON, flight text nor a saved "
             f"Neuronpedia HTML page (it starts with {sample!r})"
