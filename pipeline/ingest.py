@@ -195,6 +195,9 @@ class _Run:
                     "record_key": q["record_key"], "check_name": q["check_name"], "detail": q["detail"],
                     "record_json": raw, "quarantined_at": now,
                 })
+            # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.
+            conn.execute("DELETE FROM quarantine WHERE list_contains($shas, input_sha256)",
+                         {"shas": [landed.sha256 for landed, _, _ in batch.inputs]})
             insert_rows(conn, "quarantine", quarantine)
             s.n_quarantined += len(failed)
             results = [dict(r, run_id=run_id, batch_no=self.batch_no, validated_at=now) for r in outcome.results]
