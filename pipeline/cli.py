@@ -269,8 +269,8 @@ def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, so
     from .ingest import new_run_id
 
     wanted = _span(span, "--range")
-    if sum([bool(indices), wanted is not None, all_features]) != 1:
-        raise click.UsageError("say which features: --index (repeatable), --range A:B, or --all")
+    if bool(indices or wanted is not None) == all_features:
+        raise click.UsageError("say which features: --index (repeatable) and/or --range A:B, or --all")
     chosen = None if all_features else sorted(set(indices) | set(wanted or ()))
     settings = Settings.from_env(warehouse=warehouse)
     window = window or new_run_id("fetch")

@@ -231,6 +231,7 @@ class _RateLimiter:
                 self.spacing = 0.0
             else:
                 self.spacing = self.max_spacing * (1 - max(remaining, 0) / LOW_WATER)
+                self.next_at = max(self.next_at, time.monotonic() + self.spacing)
 
 
 # --- HTTP client --------------------------------------------------------------------------

@@ -1,0 +1,222 @@
+"""Fetching feature pages from a real HTTP server (tests/fake_neuronpedia.py) on 127.0.0.1:
+faults retried, failures reported, rate limits obeyed, interrupted fetches resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.cli import cli
+from pipeline.fetch import fetch_features, ingest_fetched, manifest_path, read_manifest
+from tests.fake_neuronpedia import FakeNeuronpedia, feature_path, random_faults
+from tests.fetch_support import FAST, MODEL, SOURCE, pages, query, scalar, settings_in
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_200_features_with_random_faults_all_land_exactly_once(tmp_path):
+    n = 200
+    paths = [feature_path(i) for i in range(n)]
+    faults = random_faults(paths, 0.10, seed=7)
+    assert len(faults) == 20
+    assert {k for kinds in faults.values() for k in kinds} >= {"429", "drop", "truncate"}
+    settings = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(n), faults=faults, retry_after="0", slow_seconds=1.0) as np:
+        result = fetch_features(MODEL, SOURCE, range(n), settings=settings, base_url=np.base_url,
+                                window="w-faults", concurrency=8, **FAST)
+        for p in paths:  # each faulted URL: one request per fault, then the one that landed
+            assert np.count(p) == len(faults.get(p, [])) + 1, p
+
+    assert (result.n_requested, result.n_landed, result.n_failed, result.n_not_found) == (n, n, 0, 0)
+    assert json.loads(json.dumps(result.as_dict()))["n_landed"] == n  # passes through XCom as is
+
+    entries = read_manifest(manifest_path("w-faults", settings))
+    assert len(entries) == n and {e["status"] for e in entries.values()} == {"landed"}
+    assert max(e["attempts"] for e in entries.values()) == 3  # two faults in a row, then success
+
+    summary = ingest_fetched("w-faults", settings, run_id="r1")
+    assert summary.status == "succeeded" and summary.n_loaded == n and summary.n_rejected == 0
+    assert scalar(settings, "SELECT count(*) FROM features") == n
+    assert scalar(settings, "SELECT count(DISTINCT feature_index) FROM features") == n
+    n_acts = sum(len(p["activations"]) for p in pages(n))
+    assert query(settings, "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(n_acts, n_acts)]
+    assert scalar(settings, "SELECT count(*) FROM explanations") == n
+    assert scalar(settings, "SELECT count(*) FROM raw_inputs") == n
+    assert scalar(settings, "SELECT count(*) FROM fetch_failures") == 0
+
+    again = ingest_fetched("w-faults", settings, run_id="r2")  # loads nothing twice
+    assert (again.n_loaded, again.n_duplicates) == (0, n)
+    assert query(settings, "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(n_acts, n_acts)]
+
+
+def test_feature_failing_every_attempt_is_reported_and_the_run_finishes(tmp_path):
+    settings = settings_in(tmp_path)
+    broken, missing = feature_path(3), feature_path(99)
+    with FakeNeuronpedia(pages=pages(6), always={broken: "503"}) as np:
+        out = CliRunner().invoke(cli, [
+            "fetch", "features", "--model", MODEL, "--source", SOURCE, "--range", "0:6", "--index", "99",
+            "--base-url", np.base_url, "--warehouse", str(settings.warehouse), "--window", "w-fail",
+            "--max-attempts", "3", "--backoff", "0.01", "--requests-per-hour", "10000000", "--timeout", "2", "--no-progress",
+        ])
+        assert np.count(broken) == 3  # the whole budget was spent on it
+        assert np.count(missing) == 1  # a 404 is not retried
+
+    assert out.exit_code == 3, out.output
+    assert f"{np.base_url}{broken}" in out.output
+    assert "failed 1" in out.output and "not found 1" in out.output and "landed 5" in out.output
+    assert "succeeded" in out.output
+    rows = query(settings, "SELECT url, feature_key, status, attempts, last_error, \"window\" "
+                           "FROM fetch_failures ORDER BY status")
+    assert [(r[1], r[2], r[3], r[5]) for r in rows] == [
+        (f"{MODEL}/{SOURCE}/3", "failed", 3, "w-fail"),
+        (f"{MODEL}/{SOURCE}/99", "not_found", 1, "w-fail"),
+    ]
+    assert "503" in rows[0][4] and "not found" in rows[1][4]
+    assert scalar(settings, "SELECT count(*) FROM features") == 5
+    assert scalar(settings, "SELECT status FROM runs") == "succeeded"
+
+    # Once the server recovers, the same window fetches only what did not land, and exits 0.
+    with FakeNeuronpedia(pages=pages(6)) as np:
+        out = CliRunner().invoke(cli, [
+            "fetch", "features", "--model", MODEL, "--source", SOURCE, "--range", "0:6",
+            "--base-url", np.base_url, "--warehouse", str(settings.warehouse), "--window", "w-fail",
+            "--backoff", "0.01", "--requests-per-hour", "10000000", "--no-progress",
+        ])
+        assert [r.path for r in np.requests] == [broken]
+    assert out.exit_code == 0, out.output
+    assert scalar(settings, "SELECT count(*) FROM features") == 6
+
+
+def test_404_is_feature_not_found_and_exit_code_zero(tmp_path):
+    settings = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(2)) as np:
+        out = CliRunner().invoke(cli, [
+            "fetch", "features", "--model", MODEL, "--source", SOURCE, "--index", "1", "--index", "5",
+            "--base-url", np.base_url, "--warehouse", str(settings.warehouse), "--no-progress",
+        ])
+    assert out.exit_code == 0, out.output
+    assert "not found 1" in out.output
+    assert query(settings, "SELECT feature_key, status FROM fetch_failures") == [(f"{MODEL}/{SOURCE}/5", "not_found")]
+
+
+def test_retry_after_is_honoured(tmp_path):
+    settings = settings_in(tmp_path)
+    p = feature_path(0)
+    with FakeNeuronpedia(pages=pages(1), faults={p: ["429"]}, retry_after="1") as np:
+        result = fetch_features(MODEL, SOURCE, [0], settings=settings, base_url=np.base_url, **FAST)
+        first, second = np.seen(p)
+    assert result.n_landed == 1
+    assert first.answer == "429"
+    assert second.at - first.at >= 0.95  # the 0.01 s backoff was overridden by Retry-After: 1
+
+
+def test_slows_down_as_x_limit_remaining_nears_zero(tmp_path):
+    def gaps(limit_remaining):
+        with FakeNeuronpedia(pages=pages(6), limit_remaining=limit_remaining) as np:
+            fetch_features(MODEL, SOURCE, range(6), settings=settings_in(tmp_path / str(limit_remaining)),
+                           base_url=np.base_url, concurrency=1, **(FAST | {"max_backoff": 0.4}))
+            times = [r.at for r in np.requests]
+        return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+    # x-limit-remaining 9, 8, ... of LOW_WATER 50: each next request waits about 0.4 * (1 - r/50)
+    assert min(gaps(10)) >= 0.3
+    assert max(gaps(None)) < 0.3
+
+
+def test_requests_per_hour_budget_is_kept(tmp_path):
+    with FakeNeuronpedia(pages=pages(11)) as np:
+        fetch_features(MODEL, SOURCE, range(11), settings=settings_in(tmp_path), base_url=np.base_url,
+                       concurrency=1, **(FAST | {"requests_per_hour": 36_000}))  # 10 a second
+        times = [r.at for r in np.requests]
+    assert times[-1] - times[0] >= 0.9  # one token to start with, then one every 0.1 s
+
+
+def test_all_features_pages_through_features_offset(tmp_path):
+    settings = settings_in(tmp_path)
+    ps = pages(60)
+    for p in ps[::12]:
+        p["maxActApprox"] = 0  # features-offset lists only features with activations
+    active = sorted(int(p["index"]) for p in ps if p["maxActApprox"] > 0)
+    with FakeNeuronpedia(pages=ps, faults={"/api/features-offset@25": ["503", "drop"]}) as np:
+        result = fetch_features(MODEL, SOURCE, all_features=True, settings=settings, base_url=np.base_url,
+                                window="w-all", concurrency=2, **FAST)
+        offsets = [json.loads(r.body)["offset"] for r in np.seen("/api/features-offset")]
+        assert sorted(set(offsets)) == [0, 25, 50, 75]  # 55 features: pages of 25, 25, 5 -> stop
+        assert offsets.count(25) == 3
+        assert result.n_landed == 3 and result.n_failed == 0
+        before = np.count()
+        again = fetch_features(MODEL, SOURCE, all_features=True, settings=settings, base_url=np.base_url,
+                               window="w-all", concurrency=2, **FAST)
+        assert np.count() == before  # everything already landed in this window
+        assert again.n_skipped_already_landed == 4
+    ingest_fetched("w-all", settings)
+    assert [r[0] for r in query(settings, "SELECT feature_index FROM features ORDER BY 1")] == active
+
+
+def _manifest_lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def test_killed_fetch_resumes_without_refetching_or_duplicates(tmp_path):
+    n = 80
+    settings = settings_in(tmp_path)
+    manifest = manifest_path("w-kill", settings)
+    with FakeNeuronpedia(pages=pages(n), latency=0.05) as np:
+        args = [sys.executable, "-m", "pipeline.cli", "fetch", "features", "--model", MODEL, "--source", SOURCE,
+                "--range", f"0:{n}", "--base-url", np.base_url, "--warehouse", str(settings.warehouse),
+                "--window", "w-kill", "--concurrency", "2", "--backoff", "0.01", "--requests-per-hour", "10000000", "--no-progress"]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while len(_manifest_lines(manifest)) < 20 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        landed_before = {e["url"] for e in _manifest_lines(manifest) if e["status"] == "landed"}
+        assert 20 <= len(landed_before) < n, "the fetch was not interrupted part-way"
+        assert not settings.warehouse.exists() or scalar(settings, "SELECT count(*) FROM features") == 0
+
+        np.latency = 0.0
+        done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"already landed {len(landed_before)}" in done.stdout
+        for url in landed_before:  # what landed before the kill was not asked for again
+            assert np.count(url.removeprefix(np.base_url)) == 1, url
+        assert np.count(prefix="/api/feature/") <= n + 2  # at most the two in flight when killed
+
+    assert scalar(settings, "SELECT count(*) FROM features") == n
+    n_acts = sum(len(p["activations"]) for p in pages(n))
+    assert query(settings, "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(n_acts, n_acts)]
+    assert scalar(settings, "SELECT count(*) FROM raw_inputs") == n
+
+
+def test_fetch_needs_indices_or_all():
+    with pytest.raises(ValueError):
+        fetch_features(MODEL, SOURCE)
+    with pytest.raises(ValueError):
+        fetch_features(MODEL, SOURCE, [1], all_features=True)
+    out = CliRunner().invoke(cli, ["fetch", "features", "--model", MODEL, "--source", SOURCE])
+    assert out.exit_code == 2 and "--index" in out.output
+    out = CliRunner().invoke(cli, ["fetch", "features", "--model", MODEL, "--source", SOURCE, "--range", "5:2"])
+    assert out.exit_code == 2 and "A:B" in out.output
+
+
+def test_window_cannot_escape_the_manifest_folder(tmp_path):
+    with pytest.raises(ValueError):
+        manifest_path("../elsewhere", settings_in(tmp_path))
