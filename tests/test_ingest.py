@@ -1,0 +1,126 @@
+"""The whole run on the seeds and on crafted pages: counts, bookkeeping, batches, upserts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from datetime import datetime
+
+import pytest
+
+from pipeline.config import SCHEMAS_DIR
+from tests.conftest import (
+    BAD_ACTIVATION,
+    SEED_FLIGHT,
+    SEED_NOT_A_PAGE,
+    good_page,
+    query,
+    run_ingest,
+    seed_page_copy,
+    table_rows,
+    write,
+)
+from tests.formats import to_api_json, to_flight
+
+N_EXPECTATIONS = sum(len(json.loads(f.read_text())["expectations"])
+                     for f in (SCHEMAS_DIR / "expectations").glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory):
+    from pipeline.config import Settings
+
+    settings = Settings(warehouse=tmp_path_factory.mktemp("seeds") / "wh.duckdb")
+    summary = run_ingest([SEED_FLIGHT.parent], settings)
+    return settings.warehouse, summary
+
+
+def test_seed_run_summary(seeds):
+    wh, s = seeds
+    page = seed_page_copy()
+    n_good = sum(len(a["tokens"]) == len(a["values"]) for a in page["activations"])
+    assert (s.status, s.n_received, s.n_landed, s.n_loaded, s.n_rejected) == ("succeeded", 2, 2, 1, 1)
+    assert (s.n_features, s.n_activations, s.n_explanations, s.n_quarantined) == (1, n_good, 1, 1)
+    assert s.n_expectations == N_EXPECTATIONS and s.n_expectations_failed == 1
+    row = query(wh, "SELECT status, n_received, n_loaded, n_rejected, n_features, n_activations, n_quarantined, "
+                    "finished_at >= started_at FROM runs")
+    assert row == [("succeeded", 2, 1, 1, 1, n_good, 1, True)]
+
+
+def test_seed_raw_inputs(seeds):
+    wh, s = seeds
+    rows = {o.rsplit("/", 1)[-1]: r for o, *r in query(
+        wh, "SELECT origin, format, status, n_bytes, n_features, n_activations, n_explanations FROM raw_inputs")}
+    assert rows[SEED_FLIGHT.name] == ["flight", "loaded", SEED_FLIGHT.stat().st_size, 1, 39, 1]
+    fmt, status, n_bytes, *_ = rows[SEED_NOT_A_PAGE.name]
+    assert (status, n_bytes) == ("rejected", SEED_NOT_A_PAGE.stat().st_size)
+
+
+def test_seed_quarantine_keeps_the_record(seeds):
+    wh, _ = seeds
+    (kind, key, check, detail, record) = query(
+        wh, "SELECT record_kind, record_key, check_name, detail, record_json FROM quarantine")[0]
+    record = json.loads(record)
+    assert (kind, key, check) == ("activation", BAD_ACTIVATION, "tokens_values_same_length")
+    assert (len(record["tokens"]), len(record["values"])) == (986, 992) and record["id"] == BAD_ACTIVATION
+    assert detail == "len(tokens) = 986 but len(values) = 992"
+    assert query(wh, "SELECT count(*) FROM activations WHERE activation_id = ?", [BAD_ACTIVATION]) == [(0,)]
+
+
+def test_seed_rows_are_typed(seeds):
+    wh, _ = seeds
+    page = seed_page_copy()
+    (fi, src, created, vals) = query(wh, "SELECT feature_index, source_id, created_at, pos_values FROM features")[0]
+    assert (fi, src, vals) == (45698, "11-resid-post-aa", page["pos_values"])
+    assert created == datetime(2025, 9, 24, 4, 30, 34, 656000)
+    a = next(a for a in page["activations"] if a["id"] != BAD_ACTIVATION)
+    assert query(wh, 'SELECT tokens, "values", max_value, max_value_token_index, data_source FROM activations '
+                     "WHERE activation_id = ?", [a["id"]]) == [
+        (a["tokens"], [float(v) for v in a["values"]], a["maxValue"], a["maxValueTokenIndex"], a["dataSource"])]
+    assert query(wh, "SELECT count(*), count(DISTINCT suite) FROM validation_results") == [(N_EXPECTATIONS, 3)]
+
+
+def test_small_batches_give_the_same_tables(tmp_path, settings):
+    pages = [good_page(i) for i in range(6)]
+    paths = [write(tmp_path / "in" / f"{i}.txt", to_flight(p)) for i, p in enumerate(pages)]  # counted by activations
+    paths.append(write(tmp_path / "in" / "seed.txt", SEED_FLIGHT.read_bytes()))
+    one = run_ingest(paths, settings)
+    many_settings = replace(settings, warehouse=tmp_path / "many" / "wh.duckdb", batch_activations=5)
+    many = run_ingest(paths, many_settings)
+    assert query(many_settings.warehouse, "SELECT count(DISTINCT batch_no) FROM validation_results")[0][0] > 2
+    for t in ("features", "activations", "explanations", "quarantine", "feature_activation_stats", "raw_inputs"):
+        exclude = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quarantined_at", "received_at",
+                   "landed_path")  # the two warehouses land in different folders
+        assert table_rows(many_settings.warehouse, t, exclude) == table_rows(settings.warehouse, t, exclude), t
+    assert (one.n_activations, one.n_quarantined) == (many.n_activations, many.n_quarantined) == (18 + 39, 1)
+
+
+def test_a_later_version_of_a_feature_replaces_the_earlier(tmp_path, settings):
+    page = good_page(5)
+    run_ingest([write(tmp_path / "v1.json", to_api_json(page))], settings)
+    page["maxActApprox"] = 4.5
+    page["activations"][0]["values"][0] = 0.25
+    run_ingest([write(tmp_path / "v2.txt", to_flight(page))], settings)
+    wh = settings.warehouse
+    assert query(wh, "SELECT max_act_approx FROM features") == [(4.5,)]
+    assert query(wh, "SELECT count(*) FROM activations") == [(3,)]
+    assert query(wh, 'SELECT "values"[1] FROM activations WHERE activation_id = ?',
+                 [page["activations"][0]["id"]]) == [(0.25,)]
+    assert query(wh, "SELECT n_active_tokens FROM feature_activation_stats WHERE data_source = 'Chat'") == [(3,)]
+
+
+@pytest.mark.parametrize("shape", ["api_json", "flight"])
+def test_an_integer_too_large_is_a_bad_record_not_a_failed_run(tmp_path, settings, shape):
+    page = good_page(8)
+    page["activations"][0]["maxValueTokenIndex"] = 3_000_000_000
+    bad_index = good_page(9)
+    bad_index["index"] = str(2**63)
+    encode = to_api_json if shape == "api_json" else to_flight
+    s = run_ingest([write(tmp_path / "a", encode(page)), write(tmp_path / "b", encode(bad_index)),
+                    write(tmp_path / "c", to_api_json(good_page(10)))], settings)
+    assert s.status == "succeeded" and s.n_loaded == 2 and s.n_rejected == 1
+    assert "index" in s.rejected[0]["reason"]
+    wh = settings.warehouse
+    assert query(wh, "SELECT record_key FROM quarantine WHERE check_name = 'max_value_token_index_in_excerpt'") == [
+        (page["activations"][0]["id"],)]
+    assert query(wh, "SELECT feature_index, count(*) FROM activations GROUP BY 1 ORDER BY 1") == [(8, 2), (10, 3)]
