@@ -248,3 +248,17 @@ def wait_until(predicate, timeout: float, interval: float = 1.0, what: str = "co
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+@contextlib.contextmanager
+def fake_neuronpedia_server(log: Path, n_features: int = 200) -> Iterator[str]:
+    """``python -m tests.fake_neuronpedia`` in a subprocess (another process, as the real site is);
+    yields its base URL."""
+    port = free_port()
+    proc = start([sys.executable, "-m", "tests.fake_neuronpedia", "--port", str(port), "--n-features", str(n_features)],
+                 {**os.environ}, log, cwd=REPO)
+    try:
+        wait_for_port(port, 30, proc, "fake Neuronpedia")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc, grace=5)

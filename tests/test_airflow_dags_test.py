@@ -5,8 +5,6 @@ nightly one fetching from a fake Neuronpedia server, the inbox one draining the 
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 from pipeline.inbox import DONE_DIR, pending_files
 from pipeline.plan import run_id_for, window_for
-from tests.airflow_helpers import REPO, airflow, airflow_env, free_port, init, stop, wait_for_port
+from tests.airflow_helpers import REPO, airflow, airflow_env, fake_neuronpedia_server, init
 
 pytestmark = pytest.mark.airflow
 
@@ -41,15 +39,8 @@ def q(warehouse, sql, params=None):
 
 @pytest.fixture(scope="module")
 def fake_neuronpedia(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("fake") / "fake.log"
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_neuronpedia", "--port", str(port), "--n-features", "200"],
-                            cwd=REPO, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for_port(port, 30, proc, "fake Neuronpedia")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop(proc, grace=5)
+    with fake_neuronpedia_server(tmp_path_factory.mktemp("fake") / "fake.log") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
