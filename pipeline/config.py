@@ -38,7 +38,7 @@ class Settings:
     """Activations gathered before a batch is validated and loaded (bounds memory);
     `$FEATUREHOUSE_BATCH_ACTIVATIONS`."""
 
-    batch_bytes: int = 96 * 1024 * 1024
+    batch_bytes: int = 64 * 1024 * 1024
     """Input bytes gathered before a batch is validated and loaded (bounds memory);
     `$FEATUREHOUSE_BATCH_BYTES`."""
 

@@ -172,7 +172,8 @@ class _Run:
                 meta = "input_sha256, $now AS loaded_at" + (", $run_id AS run_id" if table in _DATA_TABLES else "")
                 good = f"FROM stage_{table} WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')"
                 cond = " AND ".join(f"t.{k} = s.{k}" for k in UPSERT_KEYS[table])
-                conn.execute(f"DELETE FROM {table} AS t USING (SELECT * {good}) AS s WHERE {cond}")
+                if conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]:
+                    conn.execute(f"DELETE FROM {table} AS t USING (SELECT * {good}) AS s WHERE {cond}")
                 conn.execute(
                     f"INSERT INTO {table} BY NAME SELECT {cols}, {meta} {good}",
                     {"now": now, "run_id": run_id} if table in _DATA_TABLES else {"now": now},

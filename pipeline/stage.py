@@ -237,14 +237,18 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
         (repeats,) = conn.execute(
             f"SELECT count(*) > count(DISTINCT ({keys})) FROM stage_{table}_all"
         ).fetchone()
-        if not repeats:
-            qualify = ""
-        elif table in _RAW_TABLES:
-            content = ", ".join(f'"{c}"' for c in _content_columns(table))
-            qualify = f"QUALIFY row_number() OVER (PARTITION BY {keys}, hash({content}) ORDER BY _row DESC) = 1"
+        if not repeats:  # the usual case: a view, so the batch is not copied once more
+            conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table} AS {union}")
         else:
-            qualify = f"QUALIFY row_number() OVER (PARTITION BY {keys} ORDER BY _row DESC) = 1"
-        conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_{table} AS SELECT * FROM stage_{table}_all {qualify}")
+            if table in _RAW_TABLES:
+                content = ", ".join(f'"{c}"' for c in _content_columns(table))
+                partition = f"{keys}, hash({content})"
+            else:
+                partition = keys
+            conn.execute(
+                f"""CREATE OR REPLACE TEMP TABLE stage_{table} AS SELECT * FROM stage_{table}_all
+                    QUALIFY row_number() OVER (PARTITION BY {partition} ORDER BY _row DESC) = 1"""
+            )
         conn.execute(f"DROP VIEW stage_{table}_all")
 
 
@@ -280,7 +284,12 @@ _RAW_TABLES = ("features", "activations", "explanations")
 def drop(conn: duckdb.DuckDBPyConnection) -> None:
     """Remove the batch's staging objects."""
     for table in STAGED_TABLES:
-        conn.execute(f"DROP TABLE IF EXISTS stage_{table}")
+        (kind,) = conn.execute(
+            "SELECT coalesce(any_value(table_type), '') FROM information_schema.tables WHERE table_name = ?",
+            [f"stage_{table}"],
+        ).fetchone()
+        if kind:
+            conn.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} stage_{table}")
         conn.execute(f"DROP TABLE IF EXISTS py_{table}")
     conn.execute("DROP TABLE IF EXISTS fast_pages")
     conn.execute("DROP TABLE IF EXISTS fast_files")

@@ -49,7 +49,9 @@ _CHECK_SQL = {
                    AS feature_key_matches_page,
                coalesce(len(tokens), 0) AS n_tokens, coalesce(len("values"), 0) AS n_values,
                coalesce(len("values") - list_count("values"), 0) AS n_null_values,
-               coalesce(len(list_filter("values", x -> NOT isfinite(x))), 0) AS n_nonfinite_values,
+               -- NaN and infinities make the sum non-finite: count them only then
+               CASE WHEN isfinite(coalesce(list_sum("values"), 0)) THEN 0
+                    ELSE len(list_filter("values", x -> NOT isfinite(x))) END AS n_nonfinite_values,
                list_max("values") AS max_of_values, max_value, max_value_token_index,
                CASE WHEN max_value_token_index >= 0
                     THEN "values"[max_value_token_index + 1] END AS value_at_max_index,
@@ -250,12 +252,15 @@ def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated
     context = _file_context(str(project_dir))
     if getattr(validated_at, "tzinfo", True) is None:  # our timestamps are naive UTC
         validated_at = validated_at.replace(tzinfo=datetime.timezone.utc)
+    run = RunIdentifier(run_name=run_id, run_time=validated_at)
     for table, result in outcome.gx_results.items():
         key = ValidationResultIdentifier(
             expectation_suite_identifier=ExpectationSuiteIdentifier(name=result.suite_name),
-            run_id=RunIdentifier(run_name=run_id, run_time=validated_at),
+            run_id=run,
             batch_identifier=f"batch-{batch_no:04d}-{table}",
         )
+        result.meta["run_id"] = run  # shown as the run's name and time on the Data Docs page
+        result.meta["validation_time"] = validated_at
         context.validation_results_store.set(key, _trim(result))
     return len(outcome.gx_results)
 

@@ -20,11 +20,12 @@ per_excerpt AS (
 token_best AS (
     SELECT model_id, source_id, feature_index, data_source, token, max(value) AS best
     FROM (
+        -- only active tokens are unnested: a few percent of all tokens
         SELECT model_id, source_id, feature_index, data_source,
-               unnest(tokens) AS token, unnest("values") AS value
+               unnest(list_filter(list_zip(tokens, "values"), p -> p[2] > 0)) AS pair
         FROM source
     )
-    WHERE value > 0
+    CROSS JOIN LATERAL (SELECT pair[1] AS token, pair[2] AS value)
     GROUP BY ALL
 ),
 
