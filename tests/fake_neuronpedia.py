@@ -13,7 +13,7 @@ normally; ``always={path: "503"}`` fails every time). Kinds: ``429`` (with ``Ret
 ``500``, ``503``, ``slow`` (answers after ``slow_seconds``, past a client's timeout), ``drop``
 (full Content-Length, half the body, then the connection closes), ``reset`` (closes without an
 answer), ``truncate`` (half the body with a matching Content-Length: a cut gzip or JSON),
-``404``, and ``echo_key_500`` (a 500 whose body repeats the ``x-api-key`` it received). Every
+``corrupt`` (full length, one byte of the gzip CRC flipped), ``404``, and ``echo_key_500`` (a 500 whose body repeats the ``x-api-key`` it received). Every
 request is recorded (method, path, query, headers, body, time, how it was answered).
 
     with FakeNeuronpedia(pages=small_pages(range(20))) as np:
@@ -46,7 +46,7 @@ from bench.generate import synthetic_page
 
 MODEL = "gpt-oss-20b"
 SOURCE = "11-resid-post-aa"
-FAULT_KINDS = ("429", "500", "503", "slow", "drop", "reset", "truncate", "404", "echo_key_500")
+FAULT_KINDS = ("429", "500", "503", "slow", "drop", "reset", "truncate", "corrupt", "404", "echo_key_500")
 RANDOM_FAULT_KINDS = ("429", "500", "503", "slow", "drop", "reset", "truncate")
 PAGE_SIZE = 25
 _RELATIONS = {"model", "source", "sourceSet", "activations", "explanations", "lists", "creator", "comments"}
@@ -303,6 +303,8 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "truncate":
             body = body[: len(body) // 2]
             announced = len(body)
+        if fault == "corrupt" and len(body) >= 8:
+            body = body[:-8] + bytes([body[-8] ^ 0xFF]) + body[-7:]
         try:
             self.send_response(status)
             for k, v in headers.items():
