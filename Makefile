@@ -33,7 +33,18 @@ lint: setup ## Lint and check formatting with ruff
 bench: setup ## Benchmark ingest against DuckDB read_json on N synthetic pages (N=1000)
 	$(BIN)/python bench/run_bench.py --n $${N:-1000}
 
+up: ## Start Airflow with docker compose (builds the image; writes .env with fresh secrets once)
+	@test -f .env || { echo "AIRFLOW_UID=$$(id -u)"; \
+	  echo "AIRFLOW_JWT_SECRET=$$($(PYTHON) -c 'import secrets; print(secrets.token_hex(32))')"; \
+	  echo "AIRFLOW_ADMIN_PASSWORD=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(12))')"; } > .env
+	@mkdir -p inbox
+	docker compose up -d --build
+	@echo "Airflow: http://localhost:8080 (user admin, password AIRFLOW_ADMIN_PASSWORD in .env); drop pages into ./inbox"
+
+down: ## Stop the docker compose deployment (volumes, and so the warehouse, are kept)
+	docker compose down
+
 clean: ## Remove the virtualenv, the local warehouse and test output
 	rm -rf $(VENV) warehouse reports test-output bench/out
 
-.PHONY: help setup run test lint bench clean
+.PHONY: help setup run test lint bench clean up down

@@ -1,0 +1,151 @@
+"""docker-compose.yml stays honest: no Docker engine runs here, so the compose file is held to what
+tests/test_airflow_scheduler.py really runs — the same Airflow subcommands, the same settings file
+(deploy/airflow.env) and init script, and places that agree with the Dockerfile."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from pipeline.config import Settings
+from tests.airflow_helpers import (
+    COMMON_ENV_FILE,
+    EXTRA_KEYS,
+    INIT_SCRIPT,
+    LOCATION_KEYS,
+    REPO,
+    SERVICES,
+    read_env_file,
+)
+
+COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+SVC = COMPOSE["services"]
+AIRFLOW_SERVICES = sorted(SERVICES)
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+ENV = read_env_file()
+
+
+def command(service: dict) -> list[str]:
+    cmd = service.get("command", [])
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """container path -> volume name or host path."""
+    out = {}
+    for v in service.get("volumes", []):
+        source, target = v.split(":")[:2] if not v.startswith("${") else (v[: v.index("}") + 1], v[v.index("}") + 2:].split(":")[0])
+        out[target] = source
+    return out
+
+
+def copied_to(source: str) -> str:
+    """Where the Dockerfile COPYs ``source`` to (an absolute path), following WORKDIR."""
+    workdir = "/"
+    for line in DOCKERFILE.splitlines():
+        words = line.split()
+        if words[:1] == ["WORKDIR"]:
+            workdir = words[1]
+        if words[:1] == ["COPY"]:
+            args = [w for w in words[1:] if not w.startswith("--")]
+            *sources, dest = args
+            if source in sources:
+                dest = dest if dest.startswith("/") else str(Path(workdir) / dest)
+                if dest.endswith("/") or len(sources) > 1:
+                    return str(Path(dest) / source)
+                return str(Path(dest))
+    raise AssertionError(f"the Dockerfile does not COPY {source}")
+
+
+def test_the_services_are_the_ones_the_scheduler_test_starts():
+    assert set(SVC) == {"postgres", "airflow-init", *SERVICES}
+    for name in AIRFLOW_SERVICES:
+        assert command(SVC[name]) == SERVICES[name], name
+
+
+def test_init_runs_the_script_the_tests_run():
+    init = command(SVC["airflow-init"])
+    assert init == ["bash", str(Path(copied_to("deploy")) / INIT_SCRIPT.name)]
+    text = INIT_SCRIPT.read_text()
+    assert "airflow db migrate" in text
+    # the pools every DAG names, with the writer pool at one slot
+    assert re.search(r"airflow pools set warehouse_writer 1 ", text)
+    assert re.search(r"airflow pools set neuronpedia_api ", text)
+    assert "AIRFLOW_ADMIN_PASSWORD" in SVC["airflow-init"]["environment"]
+
+
+@pytest.mark.parametrize("name", ["airflow-init", *AIRFLOW_SERVICES])
+def test_every_airflow_service_reads_the_shared_settings_and_only_adds_secrets(name):
+    s = SVC[name]
+    assert s["env_file"] == [str(COMMON_ENV_FILE.relative_to(REPO))]
+    # what compose adds is what the tests add too (secrets and keys from the environment)
+    assert set(s["environment"]) <= EXTRA_KEYS, set(s["environment"]) - EXTRA_KEYS
+    assert s["environment"]["NEURONPEDIA_API_KEY"].startswith("${NEURONPEDIA_API_KEY")
+    assert s["environment"]["AIRFLOW__API_AUTH__JWT_SECRET"].startswith("${AIRFLOW_JWT_SECRET")
+    assert s["build"] == {"context": ".", "dockerfile": "Dockerfile"}
+    assert s["image"] == SVC["scheduler"]["image"]
+
+
+def test_the_shared_settings_run_the_local_executor_the_tests_run():
+    assert ENV["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
+    assert ENV["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"
+    assert ENV["AIRFLOW__CORE__AUTH_MANAGER"].endswith("SimpleAuthManager")
+    assert ENV["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"].split(",")[0].split(":")[:2] == ["admin", "admin"]
+    assert LOCATION_KEYS <= set(ENV), LOCATION_KEYS - set(ENV)
+
+
+def test_places_agree_with_the_services_and_the_image():
+    db = urlsplit(ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
+    pg = SVC["postgres"]["environment"]
+    assert db.scheme.startswith("postgresql") and db.hostname == "postgres"
+    assert (db.username, db.password, db.path.lstrip("/")) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"], pg["POSTGRES_DB"])
+    api = urlsplit(ENV["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"])
+    assert api.hostname == "api-server" and api.port == 8080 and api.path == "/execution/"
+    assert any(p.endswith(":8080") for p in SVC["api-server"]["ports"])
+
+    assert ENV["AIRFLOW__CORE__DAGS_FOLDER"] == copied_to("dags")
+    assert ENV["FEATUREHOUSE_CONFIG"] == copied_to("featurehouse.toml")
+    assert ENV["FEATUREHOUSE_SCHEMAS"] == copied_to("schemas")
+
+
+@pytest.mark.parametrize("name", ["airflow-init", *AIRFLOW_SERVICES])
+def test_volumes_hold_the_warehouse_the_landing_area_and_the_inbox(name):
+    m = mounts(SVC[name])
+    settings = Settings(warehouse=Path(ENV["FEATUREHOUSE_WAREHOUSE"]))
+    assert m[str(settings.warehouse.parent)] == "warehouse"
+    assert m[str(settings.landing_dir)] == "landing"  # where the pipeline lands inputs
+    assert ENV["FEATUREHOUSE_INBOX"] in m
+    assert m[str(Path(ENV["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]).parent)] == "airflow-auth"
+    named = {v for v in m.values() if not v.startswith(("$", ".", "/"))}
+    assert named <= set(COMPOSE["volumes"])
+
+
+def test_the_image_is_airflow_3_3_with_this_package():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pin = next(d for d in pyproject["project"]["optional-dependencies"]["airflow"] if d.startswith("apache-airflow=="))
+    version = pin.split("==")[1]
+    assert re.search(rf"^FROM apache/airflow:{re.escape(version)}-python3\.11$", DOCKERFILE, re.M)
+    assert re.search(r"pip install .*-e \"\.\[airflow\]\"", DOCKERFILE)
+    assert copied_to("pipeline") == "/opt/featurehouse/pipeline"
+
+
+def test_make_up_and_down_drive_compose():
+    makefile = (REPO / "Makefile").read_text()
+    up = re.search(r"^up: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
+    down = re.search(r"^down: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
+    assert up and "docker compose up -d" in up.group(1)
+    assert down and "docker compose down" in down.group(1)
+    # the secrets compose insists on are the ones `make up` writes
+    for var in ("AIRFLOW_JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_UID"):
+        assert f"{var}=" in up.group(1)
