@@ -259,13 +259,24 @@ def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) ->
     fast = [r for r in rows if r < _PY_ROW_BASE]
     out: dict[int, tuple[str, str]] = {}
     if fast:
-        column = {"features": None, "activations": "activations", "explanations": "explanations"}[table]
-        drop = ["activations", "explanations", "model", "source", "sourceSet", "input_sha256", "_page"]
-        raw = f"{_drop_keys('to_json(p)', drop)}" if column is None else f"CAST(to_json(p.{column}[(r._row & 1048575)]) AS VARCHAR)"
-        q = f"""SELECT r._row, p.input_sha256, {raw}
-                FROM (SELECT unnest($rows::BIGINT[]) AS _row) AS r
-                JOIN fast_pages AS p ON p._page = r._row >> 20"""
-        out.update({r: (sha, j) for r, sha, j in conn.execute(q, {"rows": fast}).fetchall()})
+        # Read the few refused records back from their landed files: the record as received,
+        # not as typed (a value that was not a number shows as it was sent).
+        pages = dict(conn.execute(
+            "SELECT _page, path FROM fast_files WHERE _page IN (SELECT unnest($pages::BIGINT[]))",
+            {"pages": sorted({r >> 20 for r in fast})},
+        ).fetchall())
+        shas = dict(conn.execute("SELECT _page, input_sha256 FROM fast_files").fetchall())
+        loaded: dict[int, dict] = {}
+        for r in fast:
+            page_no, pos = r >> 20, r & 0xFFFFF
+            if page_no not in loaded:
+                loaded[page_no] = orjson.loads(Path(pages[page_no]).read_bytes())
+            page = loaded[page_no]
+            if table == "features":
+                record = {k: v for k, v in page.items() if k not in _RELATIONS}
+            else:
+                record = page[table][pos - 1]  # generate_subscripts counts from 1
+            out[r] = (shas[page_no], orjson.dumps(record).decode())
     slow = [r for r in rows if r >= _PY_ROW_BASE]
     if slow:
         q = f"SELECT _row, input_sha256, _raw FROM py_{table} WHERE _row IN (SELECT unnest($rows::BIGINT[]))"
@@ -279,6 +290,7 @@ _KEYS = {
     "sources": "model_id, source_id", "source_sets": "model_id, source_set_name",
 }
 _RAW_TABLES = ("features", "activations", "explanations")
+_RELATIONS = ("activations", "explanations", "model", "source", "sourceSet", "lists", "creator", "comments")
 
 
 def drop(conn: duckdb.DuckDBPyConnection) -> None:
