@@ -182,3 +182,40 @@ def test_too_many_ranges_for_the_map_limit_is_a_config_error(tmp_path):
     assert len(chunks(plan, "w", max_map_length=50)) == 50
     with pytest.raises(ConfigError, match="max_map_length"):
         chunks(plan, "w", max_map_length=49)
+
+
+def test_fetch_chunk_lands_each_kind_of_chunk_from_a_real_server(tmp_path):
+    """The dispatcher the nightly DAG's mapped task calls: API ranges, all features, exports."""
+    from pipeline.config import Settings
+    from pipeline.fetch import ingest_fetched
+    from pipeline.plan import fetch_chunk
+    from tests.fake_neuronpedia import MODEL, SOURCE, FakeNeuronpedia, feature_path, small_pages
+
+    settings = Settings(warehouse=tmp_path / "wh" / "f.duckdb")
+    with FakeNeuronpedia(pages=small_pages(range(30)), batch_features=8) as fake:
+        (tmp_path / "fh.toml").write_text(
+            f'[fetch]\nchunk_size = 10\n[neuronpedia]\nbase_url = "{fake.base_url}"\nexports_url = "{fake.exports_url}"\n'
+            f'[[sources]]\nmodel = "{MODEL}"\nsource = "{SOURCE}"\nindices = ["0:12"]\n')
+        api = chunks(load_plan(tmp_path / "fh.toml", env={}), "w-api")
+        assert [(c["start"], c["stop"]) for c in api] == [(0, 10), (10, 12)]
+        results = [fetch_chunk(c, settings) for c in api]
+        assert [r["n_landed"] for r in results] == [10, 2]
+        assert fake.count(feature_path(11)) == 1 and fake.count(feature_path(12)) == 0
+        again = fetch_chunk(api[0], settings)  # a retried task: resumes, refetches nothing
+        assert again["n_skipped_already_landed"] == 10 and fake.count(feature_path(0)) == 1
+
+        base = {"model": MODEL, "source": SOURCE, "base_url": fake.base_url, "exports_url": fake.exports_url,
+                "concurrency": 2, "requests_per_hour": 100_000}
+        every = fetch_chunk(base | {"via": "api", "all": True, "window": "w-all"}, settings)
+        bulk = fetch_chunk(base | {"via": "exports", "batches": None, "window": "w-exports"}, settings)
+        assert every["n_failed"] == bulk["n_failed"] == 0 and bulk["n_landed"] > 0
+
+    summary = ingest_fetched("w-api", settings, run_id="r1", progress=False)
+    assert summary.n_features == 12
+    # features-offset answers 25 pages per body: other bytes, so every feature loads (upserted)
+    assert ingest_fetched("w-all", settings, run_id="r2", progress=False).n_features == 30
+    assert ingest_fetched("w-exports", settings, run_id="r3", progress=False).status == "succeeded"
+    import duckdb
+
+    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+        assert conn.execute("SELECT count(*) FROM features").fetchone()[0] == 30
