@@ -1,0 +1,126 @@
+"""The ``featurehouse`` console script, run as a user runs it (a subprocess)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from pipeline.cli import cli
+from tests.conftest import FIXTURES, query
+
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def fh(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **(env or {})}, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def warehouse(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    wh = tmp_path_factory.mktemp("cli") / "wh" / "featurehouse.duckdb"
+    return wh, fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress")
+
+
+def test_ingest_prints_a_summary_and_exits_0(warehouse):
+    wh, proc = warehouse
+    assert proc.returncode == 0, proc.stderr
+    assert "loaded 1, rejected 1" in proc.stdout
+    assert "activations 39" in proc.stdout and "quarantined 1" in proc.stdout
+    assert "002_cdcf7f83dd4b10f8.txt" in proc.stdout and "not a Neuronpedia feature page" in proc.stdout
+
+
+def test_sql_csv(warehouse):
+    wh, _ = warehouse
+    proc = fh("sql", "SELECT data_source, n_examples FROM feature_activation_stats ORDER BY 1",
+              "--warehouse", str(wh), "--format", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert list(csv.reader(io.StringIO(proc.stdout))) == [["data_source", "n_examples"], ["Chat", "19"], ["Non-Chat", "20"]]
+
+
+def test_sql_json(warehouse):
+    wh, _ = warehouse
+    proc = fh("sql", "SELECT feature_index, source_id, created_at FROM features", "--warehouse", str(wh), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)
+    assert row["feature_index"] == 45698 and row["source_id"] == "11-resid-post-aa"
+    assert row["created_at"].startswith("2025-09-24")
+
+
+def test_sql_table_is_the_default(warehouse):
+    wh, _ = warehouse
+    proc = fh("sql", "SELECT count(*) AS n_activations FROM activations", "--warehouse", str(wh))
+    assert proc.returncode == 0, proc.stderr
+    assert "n_activations" in proc.stdout and re.search(r"\b39\b", proc.stdout)
+
+
+@pytest.mark.parametrize("statement", ["DELETE FROM activations", "CREATE TABLE x (a INT)",
+                                       "UPDATE features SET max_act_approx = 0"])
+def test_sql_is_read_only(warehouse, statement):
+    wh, _ = warehouse
+    proc = fh("sql", statement, "--warehouse", str(wh))
+    assert proc.returncode != 0
+    assert "read-only" in (proc.stderr + proc.stdout).lower()
+    assert query(wh, "SELECT count(*), min(max_act_approx) FROM activations, features") == [(39, 366.75)]
+
+
+def test_sql_without_a_warehouse_says_what_to_do(tmp_path):
+    proc = fh("sql", "SELECT 1", "--warehouse", str(tmp_path / "none.duckdb"))
+    assert proc.returncode != 0 and "featurehouse ingest" in proc.stderr
+    assert not (tmp_path / "none.duckdb").exists()
+
+
+def test_status(warehouse):
+    wh, _ = warehouse
+    proc = fh("status", "--warehouse", str(wh))
+    assert proc.returncode == 0, proc.stderr
+    (run_id,) = query(wh, "SELECT run_id FROM runs")[0]
+    assert run_id in proc.stdout and "succeeded" in proc.stdout
+    assert "1 features, 39 activations, 1 explanations; 1 quarantined records, 1 rejected inputs" in proc.stdout
+
+
+def test_warehouse_from_the_environment_and_reprocess(tmp_path):
+    env = {"FEATUREHOUSE_WAREHOUSE": str(tmp_path / "env" / "w.duckdb")}
+    seed = str(FIXTURES / "000_e9e35889d0228029.txt")
+    first = fh("ingest", seed, "--no-progress", env=env)
+    assert first.returncode == 0 and "new 1, already landed 0, loaded 1" in first.stdout
+    re_run = fh("ingest", seed, "--no-progress", "--reprocess", env=env)
+    assert re_run.returncode == 0 and "new 0, already landed 0, loaded 1" in re_run.stdout
+    assert query(tmp_path / "env" / "w.duckdb", "SELECT count(*) FROM activations") == [(39,)]
+    assert fh("status", env=env).stdout.count("succeeded") == 2
+
+
+def test_missing_path_is_a_usage_error(tmp_path):
+    proc = fh("ingest", str(tmp_path / "nope"), "--warehouse", str(tmp_path / "w.duckdb"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_a_run_that_cannot_write_its_warehouse_exits_non_zero(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    proc = fh("ingest", str(FIXTURES), "--warehouse", str(blocker / "w.duckdb"), "--no-progress")
+    assert proc.returncode != 0
+
+
+def _commands(group: click.Group, prefix: str = "featurehouse") -> list[str]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        out.append(f"{prefix} {name}")
+        if isinstance(cmd, click.Group):
+            out.extend(_commands(cmd, f"{prefix} {name}"))
+    return out
+
+
+@pytest.mark.parametrize("command", _commands(cli))
+def test_every_command_is_documented_in_the_readme(command):
+    assert command in README.read_text(), f"README.md does not mention `{command}`"
