@@ -1,0 +1,620 @@
+"""Report stage: one self-contained HTML page per run, and an index of runs.
+
+``write_report`` reads what a run did from the warehouse (``runs``, ``run_inputs``,
+``raw_inputs``, ``validation_results``, ``quarantine`` and the activation statistics tables) and
+writes ``<reports dir>/<run_id>.html`` plus ``<reports dir>/index.html``. The page needs no
+network: its CSS is inline and its charts are Vega-Lite (built with Altair) rendered to inline
+SVG by vl-convert. It also builds Great Expectations' Data Docs for the run (file data context
+under ``<warehouse dir>/gx/``) and links to them.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from . import validate
+from . import warehouse as warehouse_mod
+from .config import Settings
+
+__all__ = ["VERDICT_RULES", "Verdict", "verdict", "write_report", "NoRuns", "RunNotFound"]
+
+log = logging.getLogger("featurehouse")
+
+_TEMPLATES = Path(__file__).resolve().parent / "templates"
+_TREND_RUNS = 30
+_MAX_ROWS_PER_GROUP = 50  # rejected inputs or quarantined records listed per reason / check
+_TOP_FEATURES = 15
+_MAX_SOURCES_CHARTED = 8
+_NEURONPEDIA = "https://www.neuronpedia.org"
+
+
+class NoRuns(LookupError):
+    "The warehouse has no runs yet: run `featurehouse ingest` first."
+
+
+class RunNotFound(LookupError):
+    "No run with that id in the warehouse."
+
+
+# --- the verdict --------------------------------------------------------------------------------
+
+#: (verdict, condition), checked in order; the first that holds decides. "New inputs" are the
+#: inputs the run received minus those already landed by an earlier run.
+VERDICT_RULES: tuple[tuple[str, str], ...] = (
+    ("FAIL", "the run did not finish successfully (status is not 'succeeded')"),
+    ("FAIL", "the run received new inputs but loaded none of them"),
+    ("FAIL", "more than half of the new inputs were rejected"),
+    ("WARN", "an input was rejected, a record was quarantined, or an expectation failed"),
+    ("PASS", "none of the above: everything new loaded and every expectation held"),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """PASS, WARN or FAIL for one run, and why."""
+
+    level: str
+    rule: int
+    """Index into ``VERDICT_RULES`` of the rule that decided."""
+    reason: str
+    """The deciding rule applied to this run's numbers, in words."""
+
+
+def verdict(run: dict[str, Any]) -> Verdict:
+    """Judge a run (a ``runs`` row as a dict) by ``VERDICT_RULES``."""
+    n = {k: int(run.get(k) or 0) for k in
+         ("n_received", "n_duplicates", "n_loaded", "n_rejected", "n_quarantined", "n_expectations_failed")}
+    new = n["n_received"] - n["n_duplicates"]
+    if run.get("status") != "succeeded":
+        err = f": {run['error']}" if run.get("error") else ""
+        return Verdict("FAIL", 0, f"the run's status is '{run.get('status')}'{err}")
+    if new > 0 and n["n_loaded"] == 0:
+        return Verdict("FAIL", 1, f"{new:,} new input(s) received, none loaded")
+    if new > 0 and n["n_rejected"] / new > 0.5:
+        return Verdict("FAIL", 2, f"{n['n_rejected']:,} of {new:,} new inputs rejected "
+                                  f"({100 * n['n_rejected'] / new:.0f}% > 50%)")
+    problems = [f"{n[k]:,} {what}" for k, what in (
+        ("n_rejected", "input(s) rejected"), ("n_quarantined", "record(s) quarantined"),
+        ("n_expectations_failed", "expectation result(s) failed")) if n[k]]
+    if problems:
+        return Verdict("WARN", 3, ", ".join(problems))
+    if new == 0:
+        return Verdict("PASS", 4, "nothing new to load: every input was already landed" if n["n_received"]
+                       else "the run received no inputs")
+    return Verdict("PASS", 4, f"{n['n_loaded']:,} of {new:,} new inputs loaded, no record refused")
+
+
+# --- reading the warehouse ----------------------------------------------------------------------
+
+def _rows(conn: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
+    cur = conn.execute(sql, params or [])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _reason_kind(reason: str) -> str:
+    """A rejection reason with its specifics (quoted text, numbers) blanked, for grouping."""
+    kind = re.sub(r"\([^()]*\)", "(…)", reason or "")
+    kind = re.sub(r"'[^']*'|\"[^\"]*\"", "…", kind)
+    return re.sub(r"\d[\d,.]*", "N", kind)
+
+
+_KEY_FIELDS = ("id", "modelId", "layer", "index", "dataSource", "dataIndex", "maxValue",
+               "maxValueTokenIndex", "minValue", "description", "explanationModelName", "frac_nonzero",
+               "maxActApprox")
+
+
+def _key_fields(record_json: str | None) -> list[tuple[str, str]]:
+    """The identifying scalars of a quarantined record, and the length of each of its lists."""
+    try:
+        rec = json.loads(record_json) if record_json else {}
+    except ValueError:
+        return []
+    if not isinstance(rec, dict):
+        return []
+    out = []
+    for k in _KEY_FIELDS:
+        v = rec.get(k)
+        if v is not None and not isinstance(v, (list, dict)):
+            s = str(v)
+            out.append((k, s if len(s) <= 60 else s[:57] + "…"))
+    for k, v in rec.items():
+        if isinstance(v, list) and v:
+            out.append((k, f"{len(v):,} items"))
+    return out
+
+
+def _run_scope(conn: duckdb.DuckDBPyConnection, run_id: str) -> tuple[str, str]:
+    """SQL for the features a report's statistics cover, and a label for it.
+
+    The features the run loaded; when it loaded none, the whole warehouse (so a re-run that
+    found nothing new still shows the data it vouches for).
+    """
+    run_sql = f"""SELECT model_id, source_id, feature_index FROM features WHERE run_id = '{_q(run_id)}'
+                  UNION SELECT model_id, source_id, feature_index FROM activations WHERE run_id = '{_q(run_id)}'"""
+    (n,) = conn.execute(f"SELECT count(*) FROM ({run_sql})").fetchone()
+    if n:
+        return run_sql, f"the {n:,} feature(s) this run loaded"
+    all_sql = """SELECT model_id, source_id, feature_index FROM features
+                 UNION SELECT model_id, source_id, feature_index FROM feature_activation_stats"""
+    (n,) = conn.execute(f"SELECT count(*) FROM ({all_sql})").fetchone()
+    return all_sql, f"this run loaded no features; showing the whole warehouse ({n:,} feature(s))"
+
+
+def _q(s: str) -> str:
+    return s.replace("'", "''")
+
+
+def _gather(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, Any]:
+    run_id = run["run_id"]
+    ctx: dict[str, Any] = {"run": run, "verdict": verdict(run), "rules": VERDICT_RULES}
+
+    rejected = _rows(conn, """
+        SELECT ri.origin, r.reason, r.landed_path, r.format, r.n_bytes, r.input_sha256
+        FROM run_inputs ri JOIN raw_inputs r USING (input_sha256)
+        WHERE ri.run_id = ? AND ri.outcome = 'rejected'
+        ORDER BY ri.origin""", [run_id])
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rejected:
+        groups.setdefault(_reason_kind(r["reason"]), []).append(r)
+    ctx["rejected_groups"] = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    ctx["n_rejected_listed"] = len(rejected)
+
+    exp = _rows(conn, """
+        SELECT suite, expectation, any_value(expectation_type) AS expectation_type,
+               any_value(kwargs) AS kwargs, bool_and(success) AS success, count(*) AS n_batches,
+               sum(element_count) AS element_count, sum(unexpected_count) AS unexpected_count,
+               list_distinct(flatten(list(failing_keys)))[1:5] AS failing_keys, min(rowid) AS pos
+        FROM validation_results WHERE run_id = ?
+        GROUP BY suite, expectation ORDER BY min(rowid)""", [run_id])
+    suites: dict[str, list[dict[str, Any]]] = {}
+    for e in exp:
+        e["unexpected_percent"] = 100.0 * (e["unexpected_count"] or 0) / e["element_count"] if e["element_count"] else 0.0
+        e["kwargs"] = ", ".join(f"{k}={v}" for k, v in json.loads(e["kwargs"] or "{}").items())
+        suites.setdefault(e["suite"], []).append(e)
+    ctx["suites"] = [
+        {"name": name, "expectations": items, "n_failed": sum(not e["success"] for e in items),
+         "records": max((e["element_count"] or 0) for e in items)}
+        for name, items in suites.items()
+    ]
+
+    quarantine = _rows(conn, """
+        SELECT q.check_name, q.record_kind, q.record_key, q.detail, q.record_json, r.origin,
+               count(*) OVER (PARTITION BY q.check_name) AS n_in_check
+        FROM quarantine q LEFT JOIN raw_inputs r USING (input_sha256)
+        WHERE q.run_id = ?
+        QUALIFY row_number() OVER (PARTITION BY q.check_name ORDER BY q.record_key) <= ?
+        ORDER BY q.check_name, q.record_key""", [run_id, _MAX_ROWS_PER_GROUP])
+    qgroups: dict[str, dict[str, Any]] = {}
+    for q in quarantine:
+        g = qgroups.setdefault(q["check_name"], {"check": q["check_name"], "n": q["n_in_check"], "records": []})
+        q["fields"] = _key_fields(q.pop("record_json"))
+        g["records"].append(q)
+    ctx["quarantine_groups"] = sorted(qgroups.values(), key=lambda g: (-g["n"], g["check"]))
+    ctx["n_quarantine_rows"] = conn.execute("SELECT count(*) FROM quarantine WHERE run_id = ?", [run_id]).fetchone()[0]
+
+    scope, ctx["scope_label"] = _run_scope(conn, run_id)
+    ctx["sources"] = _rows(conn, f"""
+        WITH scope AS ({scope})
+        SELECT model_id, source_id, coalesce(data_source, '(none)') AS data_source,
+               count(*) AS n_features, sum(n_examples) AS n_examples,
+               sum(n_active_tokens) / nullif(sum(n_tokens), 0) AS active_token_fraction,
+               max(max_activation) AS max_activation, median(max_activation) AS median_max_activation
+        FROM feature_activation_stats SEMI JOIN scope USING (model_id, source_id, feature_index)
+        GROUP BY ALL ORDER BY model_id, source_id, data_source""")
+    ctx["feature_stats"] = conn.execute(f"""
+        WITH scope AS ({scope})
+        SELECT model_id || ' / ' || source_id AS source, coalesce(data_source, '(none)') AS data_source,
+               feature_index, max_activation, active_token_fraction
+        FROM feature_activation_stats SEMI JOIN scope USING (model_id, source_id, feature_index)""").df()
+    ctx["frac_nonzero"] = conn.execute(f"""
+        WITH scope AS ({scope})
+        SELECT model_id || ' / ' || source_id AS source, feature_index, frac_nonzero
+        FROM features SEMI JOIN scope USING (model_id, source_id, feature_index)
+        WHERE frac_nonzero IS NOT NULL""").df()
+    expl = """(SELECT model_id, source_id, feature_index, string_agg(DISTINCT description, ' · ') AS explanation
+               FROM explanations GROUP BY ALL)"""
+    ctx["top_features"] = _rows(conn, f"""
+        WITH scope AS ({scope}),
+        best AS (
+            SELECT model_id, source_id, feature_index,
+                   arg_max(coalesce(data_source, '(none)'), max_activation) AS data_source,
+                   arg_max(top_tokens, max_activation) AS top_tokens,
+                   max(max_activation) AS max_activation, sum(n_examples) AS n_examples
+            FROM feature_activation_stats SEMI JOIN scope USING (model_id, source_id, feature_index)
+            WHERE max_activation IS NOT NULL
+            GROUP BY ALL ORDER BY max_activation DESC LIMIT {_TOP_FEATURES})
+        SELECT b.*, e.explanation, f.frac_nonzero
+        FROM best b LEFT JOIN {expl} e USING (model_id, source_id, feature_index)
+        LEFT JOIN features f USING (model_id, source_id, feature_index)
+        ORDER BY b.max_activation DESC""")
+    for f in ctx["top_features"]:
+        f["url"] = f"{_NEURONPEDIA}/{f['model_id']}/{f['source_id']}/{f['feature_index']}"
+        f["tokens"] = [t["token"] for t in (f["top_tokens"] or [])[:6]]
+    ctx["chat_pairs"] = conn.execute(f"""
+        WITH scope AS ({scope})
+        SELECT c.model_id, c.source_id, c.feature_index,
+               c.max_activation AS chat_max, n.max_activation AS non_chat_max
+        FROM feature_activation_stats c
+        JOIN feature_activation_stats n USING (model_id, source_id, feature_index)
+        SEMI JOIN scope USING (model_id, source_id, feature_index)
+        WHERE c.data_source = 'Chat' AND n.data_source = 'Non-Chat'""").df()
+    ctx["chat_extremes"] = _rows(conn, f"""
+        WITH scope AS ({scope}),
+        pairs AS (
+            SELECT c.model_id, c.source_id, c.feature_index, c.max_activation AS chat_max,
+                   n.max_activation AS non_chat_max,
+                   ln(greatest(c.max_activation, 1e-6) / greatest(n.max_activation, 1e-6)) AS log_ratio
+            FROM feature_activation_stats c
+            JOIN feature_activation_stats n USING (model_id, source_id, feature_index)
+            SEMI JOIN scope USING (model_id, source_id, feature_index)
+            WHERE c.data_source = 'Chat' AND n.data_source = 'Non-Chat'),
+        ranked AS (
+            SELECT *, 'more active on Chat' AS side, row_number() OVER (ORDER BY log_ratio DESC) AS rk FROM pairs WHERE log_ratio > 0
+            UNION ALL
+            SELECT *, 'more active on Non-Chat', row_number() OVER (ORDER BY log_ratio) FROM pairs WHERE log_ratio < 0)
+        SELECT r.*, exp(abs(log_ratio)) AS ratio, e.explanation
+        FROM ranked r LEFT JOIN {expl} e USING (model_id, source_id, feature_index)
+        WHERE rk <= 5 ORDER BY side, rk""")
+
+    ctx["trend"] = conn.execute("""
+        SELECT run_id, started_at, n_features + n_activations + n_explanations AS rows_loaded,
+               n_rejected, n_quarantined,
+               100.0 * n_expectations_failed / nullif(n_expectations, 0) AS failure_rate
+        FROM runs WHERE started_at <= ? ORDER BY started_at DESC LIMIT ?""",
+        [run["started_at"], _TREND_RUNS]).df().iloc[::-1].reset_index(drop=True)
+    return ctx
+
+
+# --- charts ---------------------------------------------------------------------------------------
+
+_FONT = "Inter, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
+_DS_COLORS = {"Chat": "#4c78a8", "Non-Chat": "#f58518", "(none)": "#9d9d9d"}
+
+
+def _alt():
+    import altair as alt  # heavy: only when a report is drawn
+
+    return alt
+
+
+def _theme(chart):
+    return chart.configure(font=_FONT, background="white").configure_view(stroke="#e5e7eb").configure_axis(
+        labelColor="#374151", titleColor="#374151", gridColor="#eef0f3", domainColor="#9ca3af",
+        titleFontWeight=500, labelFontSize=11, titleFontSize=11,
+    ).configure_header(labelFontSize=11, titleFontSize=11, labelColor="#111827").configure_legend(
+        labelFontSize=11, titleFontSize=11, orient="top")
+
+
+_counter = itertools.count()
+
+
+def _svg(chart) -> str:
+    """Render an Altair chart to SVG, with its element ids made unique within the page."""
+    import vl_convert as vlc
+
+    svg = vlc.vegalite_to_svg(_theme(chart).to_dict(validate=False))  # validated as built
+    prefix = f"c{next(_counter)}-"
+    svg = re.sub(r'id="([^"]+)"', lambda m: f'id="{prefix}{m.group(1)}"', svg)
+    svg = re.sub(r'url\(#([^)]+)\)', lambda m: f"url(#{prefix}{m.group(1)})", svg)
+    svg = re.sub(r'href="#([^"]+)"', lambda m: f'href="#{prefix}{m.group(1)}"', svg)
+    svg = svg.replace("<svg ", '<svg role="img" ', 1)
+    return svg
+
+
+def _histogram(df, value: str, by: list[str], bins: int = 24, log: bool = False):
+    """Counts per equal-width bin (shared across ``by`` groups of one source), computed here so
+    chart size does not grow with the number of features."""
+    import numpy as np
+    import pandas as pd
+
+    out = []
+    for source, part in df.groupby("source", sort=True):
+        x = part[value].astype(float)
+        x = x[np.isfinite(x) & ((x > 0) if log else True)]
+        if x.empty:
+            continue
+        xs = np.log10(x) if log else x
+        lo, hi = float(xs.min()), float(xs.max())
+        if hi - lo < 1e-9:  # one distinct value: a narrow window around it
+            pad = 0.25 if log else max(abs(lo) * 0.05, 0.5)
+            lo, hi = lo - pad, hi + pad
+        edges = np.linspace(lo, hi, bins + 1)
+        keys = [k for k in by if k != "source"]
+        groups = part.groupby(keys, sort=True) if keys else [((), part)]
+        for key, g in groups:
+            gx = g[value].astype(float)
+            gx = gx[np.isfinite(gx) & ((gx > 0) if log else True)]
+            counts, _ = np.histogram(np.log10(gx) if log else gx, bins=edges)
+            key = key if isinstance(key, tuple) else (key,)
+            for i, c in enumerate(counts):
+                if not c:
+                    continue
+                row = {"source": source, "start": edges[i], "end": edges[i + 1], "count": int(c)}
+                if log:
+                    row["start"], row["end"] = 10 ** edges[i], 10 ** edges[i + 1]
+                row.update(dict(zip(keys, key)))
+                out.append(row)
+    return pd.DataFrame(out)
+
+
+def _top_sources(df, n: int = _MAX_SOURCES_CHARTED):
+    keep = df["source"].value_counts().index[:n]
+    return df[df["source"].isin(keep)], max(0, df["source"].nunique() - n)
+
+
+def _ds_scale(alt, values):
+    domain = sorted(values, key=lambda v: (v not in _DS_COLORS, list(_DS_COLORS).index(v) if v in _DS_COLORS else 0, v))
+    palette = ["#54a24b", "#e45756", "#72b7b2", "#b279a2", "#eeca3b"]
+    rng = [_DS_COLORS.get(v) or palette[i % len(palette)] for i, v in enumerate(domain)]
+    return alt.Scale(domain=domain, range=rng)
+
+
+def _charts(ctx: dict[str, Any]) -> dict[str, Any]:
+    alt = _alt()
+    charts: dict[str, Any] = {}
+    fs = ctx["feature_stats"]
+    if len(fs):
+        fs, hidden = _top_sources(fs)
+        h = _histogram(fs, "max_activation", ["source", "data_source"])
+        n_ds = h["data_source"].nunique()
+        h["panel"] = h["source"] + "  ·  " + h["data_source"]
+        charts["max_activation"] = _svg(
+            alt.Chart(h).mark_bar(stroke="white", strokeWidth=0.5).encode(
+                x=alt.X("start:Q", title="feature max activation", scale=alt.Scale(zero=False)),
+                x2="end:Q",
+                y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
+                y2=alt.datum(0),
+                color=alt.Color("data_source:N", title="data source", scale=_ds_scale(alt, h["data_source"].unique()),
+                                legend=None),
+            ).properties(width=250 if n_ds > 2 else 320, height=110).facet(
+                facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold", labelAnchor="start",
+                                                                          labelFontSize=11.5)),
+                columns=n_ds, spacing={"row": 14, "column": 22},
+            )
+        )
+        charts["hidden_sources"] = hidden
+    fz = ctx["frac_nonzero"]
+    if len(fz) and (fz["frac_nonzero"] > 0).any():
+        fz, _ = _top_sources(fz)
+        h = _histogram(fz, "frac_nonzero", ["source"], log=True)
+        charts["frac_nonzero"] = _svg(
+            alt.Chart(h).mark_bar(color="#54a24b", stroke="white", strokeWidth=0.5).encode(
+                x=alt.X("start:Q", title="frac_nonzero (log scale)",
+                        scale=alt.Scale(type="log"), axis=alt.Axis(format=".0e", tickCount=6)),
+                x2="end:Q",
+                y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
+                y2=alt.datum(0),
+            ).properties(width=320, height=110).facet(
+                facet=alt.Facet("source:N", title=None, header=alt.Header(labelFontWeight="bold", labelAnchor="start",
+                                                                           labelFontSize=11.5)),
+                columns=1, spacing=14,
+            )
+        )
+        charts["n_frac_zero"] = int((ctx["frac_nonzero"]["frac_nonzero"] <= 0).sum())
+    cp = ctx["chat_pairs"]
+    if len(cp):
+        hi = float(max(cp["chat_max"].max(), cp["non_chat_max"].max())) * 1.05 or 1.0
+        diag = alt.Chart(alt.Data(values=[{"v": 0}, {"v": hi}])).mark_line(
+            color="#9ca3af", strokeDash=[4, 4]).encode(x="v:Q", y="v:Q")
+        pts = alt.Chart(cp).mark_circle(size=46, opacity=0.75, color="#4c78a8", stroke="#1f3b5c", strokeWidth=0.6).encode(
+            x=alt.X("non_chat_max:Q", title="max activation on Non-Chat", scale=alt.Scale(domain=[0, hi], nice=False)),
+            y=alt.Y("chat_max:Q", title="max activation on Chat", scale=alt.Scale(domain=[0, hi], nice=False)),
+        )
+        charts["chat_vs_non_chat"] = _svg((diag + pts).properties(width=300, height=300))
+    tf = ctx["top_features"]
+    if tf:
+        import pandas as pd
+
+        rows = [{"label": f"#{f['feature_index']}  {_short(f['explanation'] or '(no explanation)', 38)}",
+                 "source": f"{f['source_id']}", "max_activation": f["max_activation"],
+                 "data_source": f["data_source"], "rank": i} for i, f in enumerate(tf)]
+        df = pd.DataFrame(rows)
+        charts["top_features"] = _svg(
+            alt.Chart(df).mark_bar(height={"band": 0.75}).encode(
+                y=alt.Y("label:N", sort=alt.EncodingSortField("rank"), title=None,
+                        axis=alt.Axis(labelLimit=330, labelFontSize=11)),
+                x=alt.X("max_activation:Q", title="max activation"),
+                color=alt.Color("data_source:N", title="strongest on", scale=_ds_scale(alt, df["data_source"].unique())),
+            ).properties(width=380, height=alt.Step(18))
+        )
+    tr = ctx["trend"]
+    if len(tr):
+        import pandas as pd
+
+        tr = tr.assign(order=range(_TREND_RUNS - len(tr), _TREND_RUNS), is_this=tr["run_id"] == ctx["run"]["run_id"],
+                       label=[f"{t:%m-%d %H:%M}" for t in tr["started_at"]])
+        metrics = [("rows_loaded", "rows loaded", "~s"), ("n_rejected", "inputs rejected", "d"),
+                   ("n_quarantined", "records quarantined", "d"), ("failure_rate", "expectation failure rate %", ".1f")]
+        panels = []
+        for col, title, fmt in metrics:
+            d = tr[["order", "label", "is_this", "run_id"]].assign(value=pd.to_numeric(tr[col], errors="coerce").fillna(0))
+            top = float(d["value"].max())
+            if fmt == "d":
+                ticks = _int_ticks(top, 3)
+                axis, scale = alt.Axis(format=fmt, values=ticks), alt.Scale(domain=[0, ticks[-1]])
+            else:
+                axis, scale = alt.Axis(format=fmt, tickCount=3), alt.Scale(domainMin=0, domainMax=max(top, 1.0), nice=True)
+            chart = alt.Chart(d).mark_bar(width={"band": 0.8}).encode(
+                x=alt.X("order:O", scale=alt.Scale(domain=list(range(_TREND_RUNS))),
+                        axis=alt.Axis(labels=False, ticks=False, title=f"last {_TREND_RUNS} runs, oldest → newest")),
+                y=alt.Y("value:Q", title=None, scale=scale, axis=axis),
+                color=alt.condition("datum.is_this", alt.value("#1f2937"), alt.value("#a5b4c8")),
+            ).properties(width=190, height=80)
+            panels.append({"title": title, "svg": _svg(chart)})
+        charts["trend"] = panels
+    return charts
+
+
+def _int_ticks(top: float, most: int = 4) -> list[int]:
+    """Whole-number axis ticks from 0 past ``top`` in steps of 1, 2, 5, 10, 20, 50 ...: at most
+    about ``most`` steps. (vl-convert's renderer ignores Vega's ``tickMinStep``.)"""
+    top = max(int(math.ceil(top or 0)), 1)
+    steps = (m * 10**e for e in range(0, 16) for m in (1, 2, 5))
+    step = next(st for st in steps if top / st <= most)
+    return list(range(0, step * math.ceil(top / step) + 1, step))
+
+
+def _short(s: str, n: int) -> str:
+    s = " ".join(str(s).split())
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _env():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
+                             autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = lambda v: "–" if v is None else (f"{v:,.0f}" if float(v) == int(v) else f"{v:,.3g}")
+    env.filters["pct"] = lambda v, d=1: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}%"
+    env.filters["frac"] = lambda v: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else (
+        f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}")
+    env.filters["act"] = lambda v: "–" if v is None else f"{v:,.2f}"
+    env.filters["when"] = lambda t: "–" if t is None else f"{t:%Y-%m-%d %H:%M:%S} UTC"
+    env.filters["bytes"] = _human_bytes
+    env.filters["short"] = _short
+    return env
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "–"
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if v < 1024 or unit == "GiB":
+            return f"{v:,.0f} {unit}" if unit == "B" else f"{v:,.1f} {unit}"
+        v /= 1024
+    return f"{n} B"
+
+
+def _warehouse_path(conn: duckdb.DuckDBPyConnection) -> Path | None:
+    row = conn.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
+    return Path(row[0]) if row and row[0] else None
+
+
+def _run_row(conn: duckdb.DuckDBPyConnection, run_id: str | None) -> dict[str, Any]:
+    sql = "SELECT *, epoch(finished_at - started_at) AS seconds FROM runs "
+    rows = _rows(conn, sql + ("WHERE run_id = ?" if run_id else "ORDER BY started_at DESC LIMIT 1"),
+                 [run_id] if run_id else None)
+    if rows:
+        return rows[0]
+    if run_id:
+        raise RunNotFound(f"no run {run_id!r} in the warehouse (see `featurehouse status`)")
+    raise NoRuns("the warehouse has no runs yet: run `featurehouse ingest` first")
+
+
+def _rel(target: Path, start: Path) -> str:
+    try:
+        return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
+    except ValueError:  # another drive: fall back to an absolute link
+        return target.resolve().as_uri()
+
+
+def write_report(
+    conn_or_warehouse: duckdb.DuckDBPyConnection | str | os.PathLike,
+    run_id: str | None = None,
+    out_dir: Path | None = None,
+    settings: Settings | None = None,
+) -> Path:
+    """Write the HTML report of one run (default: the latest) and refresh the runs index.
+
+    ``conn_or_warehouse`` is an open warehouse connection or the warehouse file. Writes
+    ``<out_dir>/<run_id>.html`` and ``<out_dir>/index.html``; ``out_dir`` defaults to
+    ``settings.report_dir`` (``reports/`` beside the warehouse). Builds the run's Great
+    Expectations Data Docs under ``<warehouse dir>/gx/`` and links them. Records the report's
+    path in ``runs.report_path`` when the connection is writable. Returns the report's path.
+
+    Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report, and
+    ``warehouse.WarehouseMissing`` when the warehouse file does not exist.
+    """
+    if isinstance(conn_or_warehouse, duckdb.DuckDBPyConnection):
+        conn, own = conn_or_warehouse, False
+        wh = settings.warehouse if settings else _warehouse_path(conn)
+    else:
+        wh = Path(conn_or_warehouse)
+        if not wh.exists():
+            raise warehouse_mod.WarehouseMissing(f"no warehouse at {wh}: run `featurehouse ingest` first")
+        conn, own = warehouse_mod.connect(wh), True
+    try:
+        settings = settings or Settings.from_env(warehouse=wh)
+        out_dir = Path(out_dir) if out_dir is not None else settings.report_dir
+        return _write(conn, run_id, out_dir, settings, wh)
+    finally:
+        if own:
+            conn.close()
+
+
+def _write(conn, run_id, out_dir: Path, settings: Settings, wh: Path | None) -> Path:
+    started = time.monotonic()
+    run = _run_row(conn, run_id)
+    run_id = run["run_id"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = _gather(conn, run)
+    ctx["charts"] = _charts(ctx)
+    ctx["warehouse"] = str(wh) if wh else "(in memory)"
+    ctx["data_docs"] = _data_docs(wh, run_id, out_dir)
+    ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    from . import __version__
+
+    ctx["version"] = __version__
+    path = out_dir / f"{run_id}.html"
+    _atomic_write(path, _env().get_template("run.html.j2").render(**ctx))
+    try:
+        conn.execute("UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id])
+    except duckdb.Error:  # a read-only connection: the report is written, its path just not recorded
+        pass
+    _write_index(conn, out_dir)
+    log.info("report for %s written to %s in %.2fs", run_id, path, time.monotonic() - started)
+    return path
+
+
+def _data_docs(wh: Path | None, run_id: str, out_dir: Path) -> dict[str, Any] | None:
+    """Build Great Expectations' Data Docs for the run; links relative to the report."""
+    if wh is None or not (wh.parent / "gx").exists():
+        return None
+    try:
+        pages = validate.build_data_docs(wh.parent, run_id)
+    except Exception:
+        log.exception("could not build Great Expectations Data Docs for run %s", run_id)
+        return None
+    if not pages:
+        return None
+    site = pages[0].parents[4]  # validations/<suite>/<run>/<time>/<page> under the site root
+    return {
+        "index": _rel(site / "index.html", out_dir),
+        "pages": [{"suite": p.parents[2].name, "batch": p.stem, "href": _rel(p, out_dir)} for p in pages],
+    }
+
+
+def _write_index(conn, out_dir: Path) -> Path:
+    runs = _rows(conn, """SELECT *, epoch(finished_at - started_at) AS seconds FROM runs
+                          ORDER BY started_at DESC LIMIT 1000""")
+    for r in runs:
+        r["verdict"] = verdict(r)
+        page = out_dir / f"{r['run_id']}.html"
+        r["href"] = page.name if page.exists() else None
+    path = out_dir / "index.html"
+    _atomic_write(path, _env().get_template("index.html.j2").render(
+        runs=runs, rules=VERDICT_RULES, generated_at=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())))
+    return path
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,436 @@
+"""The run report: counts, rejected inputs, quarantine, verdict, Data Docs, and a real browser."""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+from click.testing import CliRunner
+
+from bench.generate import seed_page, write_pages
+from pipeline import Settings, ingest
+from pipeline.cli import cli
+from pipeline.report import VERDICT_RULES, NoRuns, RunNotFound, verdict, write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+TEST_OUTPUT = ROOT / "test-output"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+def _settings(tmp: Path) -> Settings:
+    return Settings.from_env(warehouse=tmp / "wh" / "featurehouse.duckdb")
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory):
+    """A warehouse with exactly one run: the seed fixtures, ingested for real."""
+    settings = _settings(tmp_path_factory.mktemp("seed"))
+    summary = ingest([FIXTURES], settings, progress=False)
+    return settings, summary, Path(summary.report_path)
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """What the seed run must report, worked out from the seed files, not from the pipeline's output."""
+    files = sorted(p for p in FIXTURES.iterdir() if p.is_file() and not p.name.startswith("."))
+    page = seed_page()  # the seed's initialNeuron, decoded from its flight text
+    bad = [a for a in page["activations"] if len(a["tokens"]) != len(a["values"])]
+    return {
+        "files": files,
+        "n_received": len(files),
+        "n_loaded": 1,  # 000_ is the one feature page; 002_ is not a page at all
+        "n_rejected": len(files) - 1,
+        "n_features": 1,
+        "n_activations": len(page["activations"]) - len(bad),
+        "n_explanations": len(page["explanations"]),
+        "n_quarantined": len(bad),
+        "bad": [(a["id"], len(a["tokens"]), len(a["values"])) for a in bad],
+        "rejected_name": next(p.name for p in files if p.name.startswith("002_")),
+    }
+
+
+def _stat(page: str, key: str) -> int:
+    m = re.search(rf'data-count="{key}"><div class="v">([\d,]+)', page)
+    assert m, f"no {key} in the summary"
+    return int(m.group(1).replace(",", ""))
+
+
+# --- the seed run's report ----------------------------------------------------------------------
+
+def test_ingest_writes_report_and_records_its_path(seed_run):
+    settings, summary, path = seed_run
+    assert path == settings.report_dir / f"{summary.run_id}.html"
+    assert path.is_file() and (settings.report_dir / "index.html").is_file()
+    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+        (stored,) = conn.execute("SELECT report_path FROM runs WHERE run_id = ?", [summary.run_id]).fetchone()
+    assert stored == str(path)
+
+
+def test_report_states_the_seed_counts(seed_run, expected):
+    _, _, path = seed_run
+    page = path.read_text()
+    for key in ("n_received", "n_loaded", "n_rejected", "n_features", "n_activations",
+                "n_explanations", "n_quarantined"):
+        assert _stat(page, key) == expected[key], key
+    assert _stat(page, "n_landed") == expected["n_received"]
+    assert _stat(page, "n_duplicates") == 0
+
+
+def test_report_lists_the_refused_activation_with_its_reason(seed_run, expected):
+    _, _, path = seed_run
+    page = html.unescape(path.read_text())
+    assert expected["bad"], "the seed holds an activation whose tokens and values differ in length"
+    for activation_id, n_tokens, n_values in expected["bad"]:
+        row = re.search(rf'<tr class="quarantined" data-check="([^"]+)" data-key="{activation_id}">(.*?)</tr>', page, re.S)
+        assert row, f"activation {activation_id} is not in the quarantine section"
+        assert row.group(1) == "tokens_values_same_length"
+        assert f"len(tokens) = {n_tokens} but len(values) = {n_values}" in row.group(2)
+        assert f"{n_tokens:,} items" in row.group(2) and f"{n_values:,} items" in row.group(2)
+
+
+def test_report_lists_the_rejected_input_with_its_reason(seed_run, expected):
+    settings, summary, path = seed_run
+    page = html.unescape(path.read_text())
+    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+        reason, landed = conn.execute(
+            "SELECT reason, landed_path FROM raw_inputs WHERE origin LIKE ?", [f"%{expected['rejected_name']}"]
+        ).fetchone()
+    assert reason.startswith("not a Neuronpedia feature page")
+    rows = re.findall(r'<tr class="rejected-input">(.*?)</tr>', page, re.S)
+    assert len(rows) == expected["n_rejected"]
+    assert expected["rejected_name"] in rows[0] and reason in rows[0] and landed in rows[0]
+    assert Path(landed).is_file()
+
+
+def test_expectations_section_shows_the_failed_check(seed_run, expected):
+    _, _, path = seed_run
+    page = path.read_text()
+    row = re.search(r'<tr class="failed" data-expectation="activations.tokens_values_same_length">(.*?)</tr>', page, re.S)
+    assert row, "the failed expectation is not marked failed"
+    n_seen = expected["n_activations"] + expected["n_quarantined"]
+    assert f"{expected['n_quarantined']} <span class=\"muted small\">/ {n_seen}</span>" in row.group(1)
+    assert f"{100 * expected['n_quarantined'] / n_seen:.2f}%" in row.group(1)
+    assert expected["bad"][0][0] in row.group(1)
+    assert page.count('class="failed"') == 1
+    n_expectations = sum(len(json.loads((ROOT / "schemas" / "expectations" / f"{t}.json").read_text())["expectations"])
+                         for t in ("features", "activations", "explanations"))
+    assert page.count("data-expectation=") == n_expectations
+
+
+def test_verdict_is_warn_with_its_rule(seed_run):
+    _, _, path = seed_run
+    page = path.read_text()
+    assert '<div class="verdict WARN" id="verdict">' in page
+    assert "Decided by rule 4" in page
+    assert "1 input(s) rejected, 1 record(s) quarantined, 1 expectation result(s) failed" in page
+    for _, cond in VERDICT_RULES:
+        assert cond in html.unescape(page)
+
+
+def test_report_links_great_expectations_data_docs(seed_run, expected):
+    _, summary, path = seed_run
+    links = re.findall(r'<a href="([^"]+)">', path.read_text())
+    docs = [h for h in links if "data_docs" in h]
+    assert any(h.endswith("local_site/index.html") for h in docs)
+    pages = [h for h in docs if f"/{summary.run_id}/" in h]
+    assert {Path(h).parents[2].name for h in pages} == {"features", "activations", "explanations"}
+    for h in docs:
+        assert (path.parent / html.unescape(h)).resolve().is_file(), h
+    text = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", next(
+        (path.parent / h).read_text() for h in pages if "/activations/" in h)))
+    assert f"Run Name {summary.run_id}" in text
+    _, n_tokens, n_values = expected["bad"][0]
+    assert "Values in n_tokens and n_values must always be equal. 1 unexpected values found." in text
+    pair = rf"\b{n_tokens}\b\D{{1,12}}\b{n_values}\b|\b{n_values}\b\D{{1,12}}\b{n_tokens}\b"  # GE's order varies
+    assert re.search(pair, text), "the offending lengths are not shown"
+
+
+def test_report_is_self_contained(seed_run):
+    _, _, path = seed_run
+    page = path.read_text()
+    assert "<script" not in page
+    assert not re.search(r'(src|href)="(https?:)?//[^"]*\.(css|js)', page)
+    assert not re.search(r"url\((['\"])?https?:", page)
+    assert page.count("<svg") >= 4
+    assert "@media print" in page
+
+
+def test_index_lists_runs_newest_first_with_verdicts(tmp_path):
+    settings = _settings(tmp_path)
+    first = ingest([FIXTURES], settings, progress=False, run_id="run-a")
+    time.sleep(0.01)
+    second = ingest([FIXTURES], settings, progress=False, run_id="run-b")  # all duplicates
+    index = (settings.report_dir / "index.html").read_text()
+    runs = re.findall(r'<tr class="run" data-run="([^"]+)">\s*<td><span class="badge (\w+)">', index)
+    assert runs == [(second.run_id, "PASS"), (first.run_id, "WARN")]
+    assert f'href="{first.run_id}.html"' in index and f'href="{second.run_id}.html"' in index
+
+
+def test_report_for_a_run_that_loaded_nothing(tmp_path, expected):
+    settings = _settings(tmp_path)
+    ingest([FIXTURES], settings, progress=False, run_id="run-1")
+    again = ingest([FIXTURES], settings, progress=False, run_id="run-2")  # every input already landed
+    page = Path(again.report_path).read_text()
+    assert _stat(page, "n_loaded") == 0 and _stat(page, "n_duplicates") == expected["n_received"]
+    assert '<div class="verdict PASS"' in page
+    assert "this run loaded no features; showing the whole warehouse (1 feature(s))" in page
+    assert "No input was rejected in this run." in page
+    assert "No record was quarantined in this run." in page
+    assert "the last 2 run(s)" in page
+
+
+def test_report_for_a_run_whose_only_input_was_rejected(tmp_path, expected):
+    settings = _settings(tmp_path)
+    summary = ingest([FIXTURES / expected["rejected_name"]], settings, progress=False)
+    page = Path(summary.report_path).read_text()
+    assert '<div class="verdict FAIL"' in page and "Decided by rule 2" in page
+    assert "No expectation ran in this run" in page
+    assert "No activation statistics: the warehouse holds no features yet." in page
+    assert "the last 1 run(s)" in page
+
+
+def test_report_for_a_warehouse_whose_one_run_received_nothing(tmp_path):
+    settings = _settings(tmp_path)
+    summary = ingest([], settings, progress=False)
+    page = Path(summary.report_path).read_text()
+    assert _stat(page, "n_received") == 0
+    assert "the run received no inputs" in page.lower() and '<div class="verdict PASS"' in page
+
+
+def test_report_over_many_features_and_sources(tmp_path):
+    """Synthetic pages on two sources: histograms, the Chat/Non-Chat table and top features fill in."""
+    settings = _settings(tmp_path)
+    pages = write_pages(25, tmp_path / "pages")
+    ingest([FIXTURES, *pages], settings, progress=False)
+    page = html.unescape(Path(write_report(settings.warehouse, settings=settings)).read_text())
+    assert page.count('<tr class="top-feature">') == 15
+    assert "more active on Chat" in page or "more active on Non-Chat" in page
+    assert 'id="chart-max-activation"' in page and 'id="chart-frac-nonzero"' in page
+    assert 'id="chart-chat"' in page and 'id="chart-top"' in page and 'id="chart-trend"' in page
+    ids = re.findall(r'\bid="([^"]+)"', page)
+    assert len(ids) == len(set(ids)), "element ids repeat across the inline SVGs"
+
+
+def test_report_write_failure_does_not_fail_the_run(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the reports folder should go")
+    settings = Settings.from_env(warehouse=tmp_path / "wh" / "featurehouse.duckdb", reports_dir=blocker)
+    summary = ingest([FIXTURES], settings, progress=False)
+    assert summary.status == "succeeded" and summary.report_path is None
+    assert summary.n_activations > 0
+
+
+@pytest.mark.parametrize(
+    "run, level, rule",
+    [
+        ({"status": "failed", "n_received": 3, "n_loaded": 3, "error": "IOException: disk full"}, "FAIL", 0),
+        ({"status": "running", "n_received": 0}, "FAIL", 0),
+        ({"status": "succeeded", "n_received": 4, "n_rejected": 4}, "FAIL", 1),
+        ({"status": "succeeded", "n_received": 5, "n_loaded": 2, "n_rejected": 3}, "FAIL", 2),
+        ({"status": "succeeded", "n_received": 4, "n_loaded": 2, "n_rejected": 2}, "WARN", 3),
+        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_quarantined": 1}, "WARN", 3),
+        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_expectations_failed": 1}, "WARN", 3),
+        ({"status": "succeeded", "n_received": 3, "n_duplicates": 3}, "PASS", 4),
+        ({"status": "succeeded", "n_received": 3, "n_duplicates": 1, "n_loaded": 2}, "PASS", 4),
+    ],
+)
+def test_verdict_rules(run, level, rule):
+    v = verdict(run)
+    assert (v.level, v.rule) == (level, rule)
+    assert VERDICT_RULES[v.rule][0] == level
+
+
+# --- the command --------------------------------------------------------------------------------
+
+def test_report_command_writes_a_chosen_run_to_a_chosen_folder(seed_run, tmp_path):
+    settings, summary, _ = seed_run
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["report", "--run", summary.run_id, "--out", str(out),
+                                   "--warehouse", str(settings.warehouse)])
+    assert res.exit_code == 0, res.output
+    assert (out / f"{summary.run_id}.html").is_file() and (out / "index.html").is_file()
+    assert str(out / f"{summary.run_id}.html") in res.output
+
+
+def test_report_command_names_a_missing_run(seed_run):
+    settings, _, _ = seed_run
+    res = CliRunner().invoke(cli, ["report", "--run", "no-such-run", "--warehouse", str(settings.warehouse)])
+    assert res.exit_code == 1 and "no run 'no-such-run'" in res.output
+    with pytest.raises(RunNotFound):
+        write_report(settings.warehouse, "no-such-run")
+
+
+def test_report_of_an_empty_warehouse_says_so(tmp_path):
+    wh = tmp_path / "featurehouse.duckdb"
+    from pipeline import warehouse
+
+    warehouse.connect(wh).close()
+    with pytest.raises(NoRuns):
+        write_report(wh)
+
+
+# --- in a real browser --------------------------------------------------------------------------
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol on a pipe (no chromedriver needed)."""
+
+    FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--hide-scrollbars", "--remote-debugging-pipe"]
+
+    def __init__(self) -> None:
+        self.profile = tempfile.mkdtemp(prefix="fh-chromium-")
+        to_child_r, self._to_child = os.pipe()
+        self._from_child, from_child_w = os.pipe()
+        # Chromium reads commands on fd 3 and writes answers on fd 4.
+        hi_r = fcntl.fcntl(to_child_r, fcntl.F_DUPFD, 10)
+        hi_w = fcntl.fcntl(from_child_w, fcntl.F_DUPFD, 10)
+
+        def wire() -> None:
+            os.dup2(hi_r, 3)
+            os.dup2(hi_w, 4)
+
+        self.proc = subprocess.Popen(
+            [str(CHROMIUM), *self.FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            preexec_fn=wire, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        for fd in (to_child_r, from_child_w, hi_r, hi_w):
+            os.close(fd)
+        self._buf = b""
+        self._id = 0
+        self.events: list[dict] = []
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        for domain in ("Page", "Runtime", "Log"):
+            self.call(f"{domain}.enable", session=True)
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=1280, height=900,
+                  deviceScaleFactor=1, mobile=False)
+
+    def _read(self, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\0" not in self._buf:
+            if time.monotonic() > deadline:
+                raise TimeoutError("Chromium did not answer")
+            chunk = os.read(self._from_child, 1 << 20)
+            if not chunk:
+                raise RuntimeError("Chromium closed the DevTools pipe")
+            self._buf += chunk
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, session: bool = False, **params):
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = self.session
+        os.write(self._to_child, json.dumps(msg).encode() + b"\0")
+        while True:
+            m = self._read()
+            if m.get("id") == self._id:
+                if "error" in m:
+                    raise RuntimeError(f"{method}: {m['error']}")
+                return m.get("result", {})
+            self.events.append(m)
+
+    def open(self, url: str) -> None:
+        self.events.clear()
+        self.call("Page.navigate", session=True, url=url)
+        deadline = time.monotonic() + 30
+        while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not load")
+            self.events.append(self._read())
+        self.call("Runtime.evaluate", session=True, expression="1")  # flush pending console events
+
+    def js(self, expression: str):
+        r = self.call("Runtime.evaluate", session=True, expression=expression, returnByValue=True)
+        if "exceptionDetails" in r:
+            raise RuntimeError(r["exceptionDetails"])
+        return r["result"].get("value")
+
+    def problems(self) -> list[str]:
+        """Console errors and warnings, uncaught exceptions, and failed loads since ``open``."""
+        out = []
+        for e in self.events:
+            m, p = e.get("method"), e.get("params", {})
+            if m == "Runtime.consoleAPICalled" and p.get("type") in ("error", "warning", "assert"):
+                out.append(f"console.{p['type']}: {[a.get('value') for a in p.get('args', [])]}")
+            elif m == "Runtime.exceptionThrown":
+                out.append(f"exception: {p['exceptionDetails'].get('text')}")
+            elif m == "Log.entryAdded" and p["entry"]["level"] in ("error", "warning"):
+                out.append(f"log {p['entry']['level']}: {p['entry'].get('text')} {p['entry'].get('url', '')}")
+        return out
+
+    def screenshot(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shot = self.call("Page.captureScreenshot", session=True, format="png", captureBeyondViewport=True)
+        path.write_bytes(base64.b64decode(shot["data"]))
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+        except (RuntimeError, TimeoutError, OSError):
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        os.close(self._to_child)
+        os.close(self._from_child)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium (.ci/run installs it)")
+    b = Browser()
+    yield b
+    b.close()
+
+
+@pytest.mark.browser
+def test_seed_report_renders_in_chromium(browser, seed_run, expected):
+    _, summary, path = seed_run
+    browser.open(path.as_uri())
+    assert browser.problems() == []
+    assert browser.js("document.title").startswith(f"WARN · {summary.run_id}")
+    n_svg = browser.js("document.querySelectorAll('figure.chart svg').length")
+    assert n_svg >= 4
+    sizes = browser.js("[...document.querySelectorAll('figure.chart svg')].map(s => s.getBoundingClientRect().width * s.getBoundingClientRect().height)")
+    assert all(a > 5000 for a in sizes), sizes  # drawn at a readable size, not collapsed
+    assert browser.js("document.querySelectorAll('tr.quarantined').length") == expected["n_quarantined"]
+    assert browser.js("document.documentElement.scrollWidth <= window.innerWidth + 1"), "the page scrolls sideways at 1280 px"
+    browser.screenshot(TEST_OUTPUT / "report-seed.png")
+    assert (TEST_OUTPUT / "report-seed.png").stat().st_size > 50_000
+
+
+@pytest.mark.browser
+def test_index_and_empty_reports_render_in_chromium(browser, tmp_path, expected):
+    settings = _settings(tmp_path)
+    ingest([FIXTURES / expected["rejected_name"]], settings, progress=False, run_id="run-nothing-loaded")
+    summary = ingest([], settings, progress=False, run_id="run-no-inputs")
+    for name, url in [("report-nothing-loaded", settings.report_dir / "run-nothing-loaded.html"),
+                      ("report-no-inputs", Path(summary.report_path)),
+                      ("report-index", settings.report_dir / "index.html")]:
+        browser.open(url.as_uri())
+        assert browser.problems() == [], name
+        assert browser.js("document.body.innerText.length") > 200, name
+        browser.screenshot(TEST_OUTPUT / f"{name}.png")
+    browser.open((settings.report_dir / "run-nothing-loaded.html").as_uri())
+    assert browser.js("document.querySelectorAll('#chart-trend svg').length") == 4
+    assert browser.js("document.querySelector('#verdict .word').innerText") == "FAIL"
