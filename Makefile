@@ -19,9 +19,10 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed ## Create .venv and install featurehouse with its test and Airflow extras
 
-run: setup ## Ingest the bundled sample pages into $(WAREHOUSE) and print the summary
+run: setup ## Ingest the bundled sample pages into $(WAREHOUSE), print the summary and the report's path
 	$(BIN)/featurehouse ingest $(SAMPLES) --warehouse $(WAREHOUSE)
 	$(BIN)/featurehouse status --warehouse $(WAREHOUSE) -n 3
+	@echo "report: $$($(BIN)/featurehouse sql "SELECT report_path FROM runs ORDER BY started_at DESC LIMIT 1" --warehouse $(WAREHOUSE) --format csv | tail -n 1)"
 
 test: setup ## Run the whole test suite (fails if no test is collected)
 	@set +e; $(BIN)/pytest; rc=$$?; \
