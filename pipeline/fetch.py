@@ -98,6 +98,10 @@ class Refused(Exception):
         self.status = status
 
 
+class Cancelled(Exception):
+    "The fetch is stopping (Ctrl-C, a kill): workers give up without recording anything."
+
+
 class FetchFailed(Exception):
     "A URL still failed after the retry budget; carries the last status and error."
 
@@ -193,7 +197,7 @@ class _RateLimiter:
     """A token bucket of ``requests_per_hour`` shared by all workers, plus a global pause
     (after a 429's ``Retry-After``) and extra spacing as ``x-limit-remaining`` nears zero."""
 
-    def __init__(self, requests_per_hour: float, burst: int, max_spacing: float):
+    def __init__(self, requests_per_hour: float, burst: int, max_spacing: float, cancelled: threading.Event):
         if requests_per_hour <= 0:
             raise ValueError("requests_per_hour must be positive")
         self.rate = requests_per_hour / 3600.0
@@ -205,9 +209,12 @@ class _RateLimiter:
         self.next_at = 0.0
         self._stamp = time.monotonic()
         self._lock = threading.Lock()
+        self.cancelled = cancelled
 
     def acquire(self) -> None:
         while True:
+            if self.cancelled.is_set():
+                raise Cancelled("fetch cancelled")
             with self._lock:
                 now = time.monotonic()
                 self.tokens = min(self.capacity, self.tokens + (now - self._stamp) * self.rate)
@@ -219,7 +226,7 @@ class _RateLimiter:
                     return
                 if delay <= 0:
                     delay = (1 - self.tokens) / self.rate
-            time.sleep(min(delay, 0.5))  # wake often: a pause or a new spacing may change it
+            self.cancelled.wait(min(delay, 0.5))  # wake often: a pause or a new spacing may change it
 
     def pause(self, seconds: float) -> None:
         with self._lock:
@@ -254,7 +261,9 @@ class _Client:
         self.max_backoff = max_backoff
         self.redact = _redactor(api_key)
         self.api_key = api_key
-        self.limiter = _RateLimiter(requests_per_hour, burst=concurrency, max_spacing=max_backoff)
+        self.cancelled = threading.Event()
+        self.limiter = _RateLimiter(requests_per_hour, burst=concurrency, max_spacing=max_backoff,
+                                    cancelled=self.cancelled)
         self.session = requests.Session()
         self.session.headers["User-Agent"] = USER_AGENT
         # Retries happen one level up (they must also cover bodies cut short), so the adapter
@@ -267,6 +276,10 @@ class _Client:
 
     def close(self) -> None:
         self.session.close()
+
+    def _sleep(self, seconds: float) -> None:
+        if self.cancelled.wait(seconds):
+            raise Cancelled("fetch cancelled")
 
     def headers(self, with_key: bool) -> dict[str, str]:
         return {"x-api-key": self.api_key} if with_key and self.api_key else {}
@@ -307,6 +320,7 @@ class _Client:
             wait=self._wait,
             retry=tenacity.retry_if_exception_type(Transient),
             before_sleep=self._before_sleep(what),
+            sleep=self._sleep,
             reraise=True,
         )
         try:
@@ -428,11 +442,13 @@ class _Fetcher:
         self.source = source
         self.progress = progress
 
-    def run_job(self, job: _Job) -> dict[str, Any]:
+    def run_job(self, job: _Job) -> dict[str, Any] | None:
         base = {"key": job.key, "url": job.url, "kind": job.kind, "model": self.model, "source": self.source}
         try:
             (fields, attempts) = self.client.call(job.url, job.run)
             entry = base | {"attempts": attempts, "last_error": None} | fields
+        except Cancelled:
+            return None  # stopping: leave no line, so a rerun asks for this URL again
         except NotFound as exc:
             entry = base | {"status": "not_found", "attempts": getattr(exc, "attempts", 1),
                             "http_status": 404, "sha256": None, "landed_path": None,
@@ -450,7 +466,9 @@ class _Fetcher:
         self.manifest.append(entry)
         return entry
 
-    def record(self, entry: dict[str, Any]) -> None:
+    def record(self, entry: dict[str, Any] | None) -> None:
+        if entry is None:
+            return
         r = self.result
         status = entry["status"]
         if status in ("landed", "empty"):
@@ -464,10 +482,10 @@ class _Fetcher:
         self.progress.update()
 
     def run_all(self, jobs: Iterable[_Job], concurrency: int) -> None:
-        """Run jobs with at most ``concurrency`` in flight (and few more queued)."""
-        pending: set[Future] = set()
+        """Run jobs with at most ``concurrency`` in flight (and as many again queued)."""
         pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="fetch")
         try:
+            pending: set[Future] = set()
             for job in jobs:
                 if self.manifest.landed(job.key):
                     self.result.n_skipped_already_landed += 1
@@ -481,9 +499,11 @@ class _Fetcher:
                         self.record(f.result())
             for f in pending:
                 self.record(f.result())
-            pending = set()
+        except BaseException:
+            self.client.cancelled.set()  # in-flight workers give up at their next wait
+            raise
         finally:
-            pool.shutdown(wait=not pending, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _feature_job(client: _Client, landing: Path, base_url: str, model: str, source: str, index: int,

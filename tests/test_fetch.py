@@ -220,3 +220,25 @@ def test_fetch_needs_indices_or_all():
 def test_window_cannot_escape_the_manifest_folder(tmp_path):
     with pytest.raises(ValueError):
         manifest_path("../elsewhere", settings_in(tmp_path))
+
+
+def test_ctrl_c_during_a_long_retry_after_stops_promptly_and_says_how_to_resume(tmp_path):
+    settings = settings_in(tmp_path)
+    paths = [feature_path(i) for i in range(4)]
+    with FakeNeuronpedia(pages=pages(4), always={p: "429" for p in paths}, retry_after="30") as np:
+        args = [sys.executable, "-m", "pipeline.cli", "fetch", "features", "--model", MODEL, "--source", SOURCE,
+                "--range", "0:4", "--base-url", np.base_url, "--warehouse", str(settings.warehouse),
+                "--window", "w-int", "--no-progress"]
+        proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while np.count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # now every worker waits out the 30 s Retry-After
+        interrupted = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=20)
+    assert time.monotonic() - interrupted < 5  # did not sit out the 30 s
+    assert proc.returncode == 130, stdout + stderr
+    assert "--window w-int" in stderr
+    assert read_manifest(manifest_path("w-int", settings)) == {}  # nothing recorded as failed
