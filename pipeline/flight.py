@@ -48,11 +48,13 @@ def parse_rows(data: bytes) -> dict[str, Any]:
     """
     rows: dict[str, Any] = {}
     pos, n = 0, len(data)
+    in_text = False  # past the rows, in a captured page's visible text
     if data.startswith(b"\xef\xbb\xbf"):
         pos = 3
     while pos < n:
         m = _ROW_ID.match(data, pos)
         if m is None:
+            in_text = True
             nl = data.find(b"\n", pos)
             if nl < 0:
                 break
@@ -85,12 +87,14 @@ def parse_rows(data: bytes) -> dict[str, Any]:
         end = n if nl < 0 else nl
         payload = data[pos:end]
         pos = end + 1
-        if not payload:
-            continue
+        if not payload or (in_text and row_id in rows):
+            continue  # visible text such as "8:30" must not replace a row
         if payload[0] in _JSON_START:
             try:
                 rows[row_id] = orjson.loads(payload)
             except orjson.JSONDecodeError as exc:
+                if in_text:  # visible text that happens to start like a row ("10:00 am")
+                    continue
                 if nl < 0 and "end of data" in str(exc):
                     raise FlightError(f"row {row_id} is truncated: the text ends inside it ({exc})") from exc
                 raise FlightError(f"row {row_id} is not valid JSON: {exc}") from exc

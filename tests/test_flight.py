@@ -153,3 +153,15 @@ def test_round_trip(value, outline, seed, html):
     found, decoded = flight.find_key(rows, "initialNeuron")
     assert found
     assert _same(decoded, _expected([value]))
+
+
+def test_visible_text_that_looks_like_a_row_is_not_data():
+    """A captured page's visible text can hold lines like "10:00 am" or "8:30" after the rows."""
+    data = SEED_FLIGHT.read_bytes() + b"\n10:00 am, posted\n8:30\nnull:1\n"
+    found, page = flight.find_key(flight.parse_rows(data), "initialNeuron")
+    assert found and page["index"] == "45698"
+
+
+def test_a_bad_row_before_any_visible_text_is_still_an_error():
+    with pytest.raises(flight.FlightError, match="row 1 is not valid JSON"):
+        flight.parse_rows(b'1:{"a": oops}\n2:["ok"]\n')
