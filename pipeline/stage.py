@@ -54,6 +54,8 @@ _PAGE_COLUMNS: dict[str, str] = {
     **{f: "JSON" for f in FEATURE_EXTRA_FIELDS},
     "model": "JSON", "source": "JSON", "sourceSet": "JSON",
     "activations": _ACTIVATION, "explanations": _EXPLANATION,
+    # Present only on bulk-export activation / explanation rows, which are not pages:
+    "tokens": "JSON", "values": "JSON", "description": "JSON",
 }
 
 
@@ -99,7 +101,8 @@ def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]]
             """SELECT input_sha256 FROM fast_pages GROUP BY input_sha256
                HAVING count(*) = 1
                   AND bool_and(coalesce(modelId <> '' AND layer <> ''
-                               AND regexp_full_match("index", '-?[0-9]{1,18}'), false))"""
+                               AND regexp_full_match("index", '-?[0-9]{1,18}'), false))
+                  AND bool_and(tokens IS NULL AND "values" IS NULL AND description IS NULL)"""
         ).fetchall()
     }
     conn.execute(
