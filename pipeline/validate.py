@@ -36,7 +36,7 @@ SUITES = {"features": "feature", "activations": "activation", "explanations": "e
 # Scalar check columns derived from each staged table; the suites refer to these names.
 _CHECK_SQL = {
     "features": """
-        SELECT _row, model_id || '/' || source_id || '/' || feature_index AS record_key,
+        SELECT _row, concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?')) AS record_key,  -- '?' marks a missing part
                model_id, source_id, feature_index, frac_nonzero, max_act_approx,
                coalesce(len(pos_str), 0) AS n_pos_str, coalesce(len(pos_values), 0) AS n_pos_values,
                coalesce(len(neg_str), 0) AS n_neg_str, coalesce(len(neg_values), 0) AS n_neg_values
@@ -44,7 +44,7 @@ _CHECK_SQL = {
     "activations": """
         SELECT _row, coalesce(activation_id, '(no id) in ' || page_key) AS record_key,
                activation_id, feature_index,
-               model_id || '/' || source_id || '/' || feature_index AS feature_key, page_key,
+               concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?')) AS feature_key, page_key,
                coalesce(model_id || '/' || source_id || '/' || feature_index = page_key, false)
                    AS feature_key_matches_page,
                coalesce(len(tokens), 0) AS n_tokens, coalesce(len("values"), 0) AS n_values,
@@ -60,7 +60,7 @@ _CHECK_SQL = {
                coalesce(min_value <= max_value, false) AS min_not_above_max
         FROM stage_activations""",
     "explanations": """
-        SELECT _row, coalesce(explanation_id, '(no id) for ' || model_id || '/' || source_id || '/' || feature_index) AS record_key,
+        SELECT _row, coalesce(explanation_id, '(no id) for ' || concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?'))) AS record_key,
                explanation_id, feature_index,
                coalesce(length(trim(description)), 0) AS description_length
         FROM stage_explanations""",

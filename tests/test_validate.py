@@ -191,5 +191,15 @@ def test_quarantine_detail_names_the_values(bad_run):
     assert "1.5" in detail
 
 
+def test_a_record_with_a_missing_key_part_is_still_named(bad_run):
+    keys = dict(query(bad_run, "SELECT check_name, record_key FROM quarantine WHERE check_name IN "
+                               "('feature_model_id_present', 'feature_source_id_present', 'feature_index_present')"))
+    assert keys == {"feature_model_id_present": "?/validate-src/101", "feature_source_id_present": "m/?/102",
+                    "feature_index_present": "m/validate-src/?"}
+    (detail,) = query(bad_run, "SELECT detail FROM quarantine WHERE check_name = 'activation_feature_key_matches_page' "
+                               "AND record_key LIKE '%-204-0'")[0]
+    assert detail == "the activation belongs to feature gpt-oss-20b/validate-src/?, but its page is gpt-oss-20b/validate-src/204"
+
+
 def test_good_page_copy_is_unchanged():
     assert copy.deepcopy(good_page(1)) == good_page(1)
