@@ -197,6 +197,8 @@ def _parse_html(body: bytes) -> ParsedInput:
         text = flight.html_to_flight(html)
     except flight.FlightError as exc:
         raise Rejected(f"saved HTML page is broken: {exc}") from exc
+    except RecursionError as exc:
+        raise Rejected("saved HTML page has a __next_f chunk nested too deep to parse; refused") from exc
     if not text.strip():
         raise Rejected("saved HTML page has __next_f chunks but no flight text in them")
     parsed = _parse_flight(text)

@@ -12,7 +12,7 @@ import pytest
 from pipeline.parse import Rejected, parse_bytes
 from pipeline.records import InputFormat
 from tests.conftest import SEED_FLIGHT, good_page
-from tests.formats import gz, to_api_json, to_flight
+from tests.formats import gz, to_api_json, to_flight, to_html
 
 
 def test_seed_capture_parses_to_the_records_it_holds(seed_page):
@@ -108,3 +108,20 @@ def test_feature_index_beyond_int64_is_refused():
     page["index"] = 2**63
     with pytest.raises(Rejected, match="out of range"):
         parse_bytes(to_api_json(page))
+
+
+@pytest.mark.parametrize("data", [
+    b"[" * 5000 + b"]" * 5000,
+    b"0:" + b"[" * 5000 + b"]" * 5000 + b"\n",
+    b"<html><script>self.__next_f.push(" + b"[" * 5000 + b"]" * 5000 + b")</script>",
+], ids=["json", "flight", "html"])
+def test_deep_nesting_is_refused_in_every_shape(data):
+    with pytest.raises(Rejected, match="nested|depth"):
+        parse_bytes(data)
+
+
+def test_html_with_the_real_next_js_bootstrap():
+    page = good_page()
+    html = to_html(to_flight(page)).replace(b"<script>self.__next_f.push([0])</script>",
+                                            b"<script>(self.__next_f=self.__next_f||[]).push([0])</script>")
+    assert parse_bytes(html).format == InputFormat.HTML and len(parse_bytes(html).activations) == 3
