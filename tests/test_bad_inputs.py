@@ -139,6 +139,8 @@ def test_each_bad_input_is_landed_and_rejected_with_a_reason(cli_run, name):
 def test_gzip_bomb_does_not_exhaust_memory(tmp_path, settings, gzip_bomb):
     """2 GiB of zeros behind a 16 MiB limit: the process grows by tens of MiB, not gigabytes."""
     settings = replace(settings, max_decompressed_bytes=BOMB_LIMIT)
+    # Warm up first (Great Expectations, DuckDB): the measurement is of the bomb, not of imports.
+    run_ingest([write(tmp_path / "warm.json", to_api_json(good_page(1)))], settings)
     proc = psutil.Process()
     baseline = proc.memory_info().rss
     peak = baseline
@@ -157,6 +159,7 @@ def test_gzip_bomb_does_not_exhaust_memory(tmp_path, settings, gzip_bomb):
     finally:
         done.set()
         sampler.join()
+    print(f"RSS grew by {(peak - baseline) >> 20} MiB expanding the bomb")
     assert summary.n_rejected == 1 and summary.status == "succeeded"
     assert "FEATUREHOUSE_MAX_DECOMPRESSED_BYTES" in summary.rejected[0]["reason"]
-    assert peak - baseline < 200 * 1024 * 1024, f"RSS grew by {(peak - baseline) >> 20} MiB"
+    assert peak - baseline < 128 * 1024 * 1024, f"RSS grew by {(peak - baseline) >> 20} MiB"

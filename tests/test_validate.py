@@ -6,7 +6,6 @@ schemas/expectations without a case here fails ``test_expectation_fires``.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -200,6 +199,3 @@ def test_a_record_with_a_missing_key_part_is_still_named(bad_run):
                                "AND record_key LIKE '%-204-0'")[0]
     assert detail == "the activation belongs to feature gpt-oss-20b/validate-src/?, but its page is gpt-oss-20b/validate-src/204"
 
-
-def test_good_page_copy_is_unchanged():
-    assert copy.deepcopy(good_page(1)) == good_page(1)
