@@ -9,7 +9,8 @@ DuckDB warehouse, once a night (cron from `[schedule] cron`, default 03:00 UTC).
 2. **fetch** is mapped over the chunks in pool `neuronpedia_api`: each lands page bodies in the
    landing area and never touches DuckDB, so chunks run side by side.
 3. **ingest** parses, validates and loads what the run's window landed, in pool
-   `warehouse_writer` (one slot: DuckDB has one writer).
+   `warehouse_writer` (one slot: DuckDB has one writer). It runs even when some fetch chunks
+   failed, so what did land is loaded tonight; the failures are in `fetch_failures`.
 4. **materialise** refreshes the activation statistics and publishes them as Assets.
 5. **report** writes the run's data-quality report.
 
@@ -92,7 +93,9 @@ def featurehouse_nightly():
 
         return fetch_chunk(chunk, Settings.from_env(warehouse=load_plan().warehouse))
 
-    @task(pool="warehouse_writer")
+    # all_done: what the chunks that succeeded landed is still loaded (and failures recorded)
+    # tonight, rather than left landed in a window no later run reads.
+    @task(pool="warehouse_writer", trigger_rule="all_done")
     def ingest(**context) -> dict:
         from pipeline.config import Settings
         from pipeline.fetch import ingest_fetched
@@ -101,7 +104,7 @@ def featurehouse_nightly():
         settings = Settings.from_env(warehouse=load_plan().warehouse)
         key = _key(context)
         return ingest_fetched(window_for(key, DAG_ID), settings, run_id=run_id_for(key, DAG_ID),
-                              trigger="airflow", progress=False).as_dict()
+                              trigger="airflow", progress=False, report_after=False).as_dict()
 
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def materialise(**context) -> dict:

@@ -705,6 +705,7 @@ def ingest_fetched(
     run_id: str | None = None,
     trigger: str = "fetch",
     progress: bool | None = None,
+    report_after: bool = True,
 ) -> RunSummary:
     """Ingest everything the window's manifest says landed, and record what did not.
 
@@ -726,7 +727,8 @@ def ingest_fetched(
             e = e | {"status": "failed", "last_error": f"landed file {path} is missing; fetch again"}
         if e.get("status") in ("failed", "not_found"):
             failures.append(e)
-    summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress)
+    summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress,
+                     report_after=report_after)
     now = utcnow()
     with warehouse.connect(settings.warehouse) as conn:
         conn.execute("BEGIN TRANSACTION")
