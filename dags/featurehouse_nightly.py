@@ -108,8 +108,8 @@ def featurehouse_nightly():
 
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def materialise(**context) -> dict:
-        from pipeline import materialise as refresh
         from pipeline import warehouse
+        from pipeline.materialise import refresh
         from pipeline.plan import load_plan, run_id_for
 
         with warehouse.connect(load_plan().warehouse) as conn:

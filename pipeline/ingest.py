@@ -26,7 +26,7 @@ from tqdm import tqdm
 from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
-from .load import UPSERT_KEYS, insert_rows, upsert, utcnow
+from .load import UPSERT_KEYS, insert_rows, utcnow
 from .parse import Rejected, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ARROW_SCHEMAS, ParsedInput
@@ -103,18 +103,29 @@ class _Batch:
 _WS = b" \t\r\n"
 
 
+_MAX_DEPTH = 1024  # as orjson: deeper JSON is refused, whichever road it takes
+
+
 def _duckdb_readable(data: bytes) -> bool:
-    """True for one JSON object on one line: DuckDB's read_json takes these directly."""
+    """True for one JSON object on one line that cannot nest past ``_MAX_DEPTH``: DuckDB's
+    read_json takes these directly. read_json has no depth limit, so a page holding at most
+    1,024 opening brackets in all (real pages hold a few hundred) is provably shallow enough;
+    anything else takes the Python road, whose parser refuses deeper JSON with a reason."""
     body = data.strip(_WS)
-    return body[:1] == b"{" and body[-1:] == b"}" and b"\n" not in body
+    return (
+        body[:1] == b"{" and body[-1:] == b"}" and b"\n" not in body
+        and body.count(b"[") + body.count(b"{") <= _MAX_DEPTH
+    )
 
 
 _DATA_TABLES = tuple(validate.SUITES)
 
 
 class _Run:
-    def __init__(self, conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary, reprocess: bool):
+    def __init__(self, conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
+                 reprocess: bool, materialise: bool = True):
         self.conn = conn
+        self.materialise = materialise
         self.settings = settings
         self.summary = summary
         self.reprocess = reprocess
@@ -184,6 +195,17 @@ class _Run:
                         loaded_by_sha.setdefault(sha, Counter())[table] += n
                     setattr(s, f"n_{table}", getattr(s, f"n_{table}") + sum(n for _, n in per_sha))
 
+            if self.materialise:  # stats for this batch's features, in the same transaction
+                conn.execute(
+                    """CREATE OR REPLACE TEMP TABLE changed_features AS
+                        SELECT DISTINCT model_id, source_id, feature_index FROM stage_activations
+                        WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = 'activations')
+                        UNION
+                        SELECT model_id, source_id, feature_index FROM stage_features
+                        WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = 'features')"""
+                )
+                materialise.refresh_changed(conn)
+
             raw_by_row = {}
             for table in _DATA_TABLES:
                 raws = stage.raw_records(conn, table, [r for t, r in failed if t == table])
@@ -221,7 +243,20 @@ class _Run:
                                          "origin": landed.input.origin,
                                          "outcome": "rejected" if reason else "loaded"})
             if raw_rows:
-                upsert(conn, "raw_inputs", pa.Table.from_pylist(raw_rows))
+                # A reprocessed input keeps its first origin, run and receipt time; only what
+                # parsing decided (format, status, reason, counts) is updated.
+                conn.register("_raw_rows", pa.Table.from_pylist(raw_rows))
+                conn.execute(
+                    """UPDATE raw_inputs AS t SET format = s.format, status = s.status, reason = s.reason,
+                              n_features = s.n_features, n_activations = s.n_activations,
+                              n_explanations = s.n_explanations
+                       FROM _raw_rows AS s WHERE t.input_sha256 = s.input_sha256"""
+                )
+                conn.execute(
+                    "INSERT INTO raw_inputs BY NAME SELECT * FROM _raw_rows "
+                    "WHERE input_sha256 NOT IN (SELECT input_sha256 FROM raw_inputs)"
+                )
+                conn.unregister("_raw_rows")
             insert_rows(conn, "run_inputs", batch.run_inputs)
             conn.execute(
                 "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in _COUNTERS) + " WHERE run_id = $run_id",
@@ -304,7 +339,9 @@ def ingest(
 
     Re-sending bytes already landed changes nothing (they are counted as duplicates) unless
     ``reprocess`` is set. Raises only when the run itself fails (the warehouse cannot be
-    written); bad inputs are recorded, never raised. With ``report_after`` (the default) the
+    written); bad inputs are recorded, never raised. With ``materialise_after`` (the default)
+    the activation statistics of each batch's features are refreshed in that batch's load
+    transaction, so memory stays bounded and the stats always match what is committed. With ``report_after`` (the default) the
     run's HTML report is written last (``summary.report_path``); a report that cannot be written
     is logged and does not fail the run.
     """
@@ -322,7 +359,7 @@ def ingest(
             conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",
                          [run_id, utcnow(), trigger])
         threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
-        run = _Run(conn, settings, summary, reprocess)
+        run = _Run(conn, settings, summary, reprocess, materialise_after)
         batch = _Batch()
         show = progress if progress is not None else (total is None or total > 20)
         with tqdm(total=total, unit="input", disable=not show, desc="ingest") as bar:
@@ -335,8 +372,6 @@ def ingest(
                     batch = _Batch()
                 bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
             run.flush(batch)
-        if materialise_after:
-            materialise.refresh(conn, run_id)
         summary.status = "succeeded"
     except BaseException as exc:
         summary.status = "failed"

@@ -8,7 +8,7 @@ import duckdb
 
 from .config import SCHEMAS_DIR
 
-__all__ = ["MaterialiseResult", "refresh"]
+__all__ = ["MaterialiseResult", "refresh", "refresh_changed"]
 
 
 @dataclass(frozen=True)
@@ -45,32 +45,40 @@ def refresh(conn: duckdb.DuckDBPyConnection, run_id: str | None = None) -> Mater
                 SELECT DISTINCT model_id, source_id, feature_index FROM features {where}""",
             params,
         )
-        conn.execute(
-            "CREATE OR REPLACE TEMP TABLE changed_sources AS "
-            "SELECT DISTINCT model_id, source_id FROM changed_features"
-        )
-        conn.execute(
-            "DELETE FROM feature_activation_stats f USING changed_features c "
-            "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
-            "AND f.feature_index = c.feature_index"
-        )
-        conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})")
-        conn.execute(
-            "DELETE FROM source_activation_stats s USING changed_sources c "
-            "WHERE s.model_id = c.model_id AND s.source_id = c.source_id"
-        )
-        conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})")
-        (n_f,) = conn.execute("SELECT count(*) FROM changed_features").fetchone()
-        (n_s,) = conn.execute("SELECT count(*) FROM changed_sources").fetchone()
-        (r_f,) = conn.execute(
-            "SELECT count(*) FROM feature_activation_stats SEMI JOIN changed_features "
-            "USING (model_id, source_id, feature_index)"
-        ).fetchone()
-        (r_s,) = conn.execute(
-            "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
-        ).fetchone()
+        result = refresh_changed(conn)
         conn.execute("COMMIT")
     except Exception:
         conn.execute("ROLLBACK")
         raise
+    return result
+
+
+def refresh_changed(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
+    """Recompute stats for the features in the temp table ``changed_features(model_id,
+    source_id, feature_index)`` and for their sources. The caller holds the transaction (ingest
+    calls this inside each batch's load, so stats always match what is committed)."""
+    conn.execute(
+        "CREATE OR REPLACE TEMP TABLE changed_sources AS "
+        "SELECT DISTINCT model_id, source_id FROM changed_features"
+    )
+    conn.execute(
+        "DELETE FROM feature_activation_stats f USING changed_features c "
+        "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
+        "AND f.feature_index = c.feature_index"
+    )
+    conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})")
+    conn.execute(
+        "DELETE FROM source_activation_stats s USING changed_sources c "
+        "WHERE s.model_id = c.model_id AND s.source_id = c.source_id"
+    )
+    conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})")
+    (n_f,) = conn.execute("SELECT count(*) FROM changed_features").fetchone()
+    (n_s,) = conn.execute("SELECT count(*) FROM changed_sources").fetchone()
+    (r_f,) = conn.execute(
+        "SELECT count(*) FROM feature_activation_stats SEMI JOIN changed_features "
+        "USING (model_id, source_id, feature_index)"
+    ).fetchone()
+    (r_s,) = conn.execute(
+        "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
+    ).fetchone()
     return MaterialiseResult(n_f, n_s, r_f, r_s)

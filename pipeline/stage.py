@@ -31,7 +31,6 @@ __all__ = ["STAGED_TABLES", "read_api_json", "stage_parsed", "create_views", "ra
 STAGED_TABLES = ("models", "source_sets", "sources", "features", "activations", "explanations")
 
 _PY_ROW_BASE = 1 << 40  # _row ids of Python-road records; DuckDB-road ids are page << 20 | position
-_MAX_OBJECT = 1 << 30
 
 _ACTIVATION = (
     'STRUCT(id VARCHAR, modelId VARCHAR, layer VARCHAR, "index" VARCHAR, dataSource VARCHAR, '
@@ -94,7 +93,9 @@ def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]]
                           filename = true, ignore_errors = true,
                           maximum_object_size = $max_object) AS j
            JOIN fast_files AS f ON f.path = j.filename""",
-        {"files": [str(p) for _, p in files], "columns": _PAGE_COLUMNS, "max_object": _MAX_OBJECT},
+        # read_json allocates a buffer of maximum_object_size: size it to this batch's largest file
+        {"files": [str(p) for _, p in files], "columns": _PAGE_COLUMNS,
+         "max_object": max(p.stat().st_size for _, p in files) + (1 << 16)},
     )
     good = {
         sha for (sha,) in conn.execute(

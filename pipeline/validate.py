@@ -71,7 +71,7 @@ class SuiteError(ValueError):
     "An expectation suite file is not valid."
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_suite(table: str) -> dict[str, Any]:
     """The expectation suite for ``table``, as stored in ``schemas/expectations``."""
     return json.loads((SCHEMAS_DIR / "expectations" / f"{table}.json").read_text())

@@ -110,13 +110,7 @@ def test_good_inputs_before_and_after_still_load(cli_run):
     assert query(wh, "SELECT count(*) FROM activations WHERE model_id = 'gpt-oss-20b'") == [(6,)]
 
 
-_XFAIL = {
-    "page_with_a_field_nested_5000_deep": (
-        "A one-line API-JSON page is read by DuckDB's read_json (pipeline/stage.py), which accepts any "
-        "depth and ignores the unused deep field, so the page loads; the Python parser (orjson, 1,024 "
-        "levels) refuses the same bytes in any other shape. The fast path needs a depth guard."
-    ),
-}
+_XFAIL: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", [

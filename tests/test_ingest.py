@@ -124,3 +124,18 @@ def test_an_integer_too_large_is_a_bad_record_not_a_failed_run(tmp_path, setting
     assert query(wh, "SELECT record_key FROM quarantine WHERE check_name = 'max_value_token_index_in_excerpt'") == [
         (page["activations"][0]["id"],)]
     assert query(wh, "SELECT feature_index, count(*) FROM activations GROUP BY 1 ORDER BY 1") == [(8, 2), (10, 3)]
+
+
+def test_reprocess_keeps_when_and_by_which_run_an_input_first_landed(tmp_path):
+    from pipeline.config import Settings
+
+    settings = Settings(warehouse=tmp_path / "wh.duckdb")
+    first = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], settings)
+    before = query(settings.warehouse, "SELECT input_sha256, run_id, received_at, status FROM raw_inputs ORDER BY 1")
+    second = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], settings, reprocess=True)
+    after = query(settings.warehouse, "SELECT input_sha256, run_id, received_at, status FROM raw_inputs ORDER BY 1")
+    assert second.run_id != first.run_id and second.n_loaded == 1 and second.n_rejected == 1
+    assert after == before and {r[1] for r in after} == {first.run_id}
+    outcomes = query(settings.warehouse, "SELECT run_id, outcome FROM run_inputs ORDER BY 1, 2")
+    assert outcomes == sorted([(first.run_id, "loaded"), (first.run_id, "rejected"),
+                               (second.run_id, "loaded"), (second.run_id, "rejected")])
