@@ -141,6 +141,10 @@ class _Run:
         self.batch_no += 1
         conn, s, run_id, now = self.conn, self.summary, self.summary.run_id, utcnow()
 
+        if self.batch_no == 1:
+            # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
+            # GIL; started earlier it would slow down landing, which needs the GIL too.
+            threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
         # DuckDB reads the API-JSON pages; any it cannot read cleanly take the Python road.
         fast_ok = stage.read_api_json(conn, [(landed.sha256, landed.path) for landed in batch.fast])
         for landed in batch.fast:
@@ -358,7 +362,6 @@ def ingest(
         else:
             conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",
                          [run_id, utcnow(), trigger])
-        threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
         run = _Run(conn, settings, summary, reprocess, materialise_after)
         batch = _Batch()
         show = progress if progress is not None else (total is None or total > 20)
