@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import logging
 import math
 import os
 import threading
@@ -83,6 +84,8 @@ def _gx():
     import great_expectations as gx  # heavy: imported on first validation, not at import time
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
+    # Great Expectations logs routine set-up (its temporary docs folder) at INFO: not news.
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     source = context.data_sources.add_pandas("featurehouse")
