@@ -1,9 +1,10 @@
 """One ingest run: receive → land → parse → validate → load → materialise, in bounded batches.
 
-``Pipeline``-style chaining only; each stage lives in its own module. Every input lands before
-it is parsed; an input that cannot be parsed is recorded as rejected with its reason and the
-run goes on; records that fail an expectation are quarantined. Memory stays bounded because
-inputs are validated and loaded in batches of about ``settings.batch_activations`` activations.
+Chaining only; each stage lives in its own module. Every input lands before it is parsed; an
+input that cannot be parsed is recorded as rejected with its reason and the run goes on; records
+that fail an expectation are quarantined. Memory stays bounded because inputs are staged,
+validated and loaded in batches (``settings.batch_bytes`` of input or
+``settings.batch_activations`` activations, whichever comes first).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from tqdm import tqdm
 from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
-from .load import UPSERT_KEYS, insert_rows, utcnow
+from .load import insert_rows, passed, upsert_staged, utcnow
 from .parse import Rejected, parse_bytes
 from .receive import Input, iter_inputs
-from .records import ARROW_SCHEMAS, ParsedInput
+from .records import ParsedInput
 
 __all__ = ["RunSummary", "ingest", "new_run_id"]
 
@@ -176,37 +177,27 @@ class _Run:
     def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, now) -> None:
         conn, s, run_id = self.conn, self.summary, self.summary.run_id
         failed = sorted({(q["table"], q["row"]) for q in outcome.quarantine})
-        conn.register("_failed", pa.table({"tbl": [t for t, _ in failed], "_row": [r for _, r in failed]}))
+        conn.register("_failed", pa.table({"tbl": pa.array([t for t, _ in failed], pa.string()),
+                                           "_row": pa.array([r for _, r in failed], pa.int64())}))
         conn.execute("CREATE OR REPLACE TEMP TABLE failed_rows AS SELECT * FROM _failed")
         conn.unregister("_failed")
         conn.execute("BEGIN TRANSACTION")
         try:
             loaded_by_sha: dict[str, Counter] = {}
             for table in stage.STAGED_TABLES:
-                cols = ", ".join(f'"{f.name}"' for f in ARROW_SCHEMAS[table])
-                meta = "input_sha256, $now AS loaded_at" + (", $run_id AS run_id" if table in _DATA_TABLES else "")
-                good = f"FROM stage_{table} WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')"
-                cond = " AND ".join(f"t.{k} = s.{k}" for k in UPSERT_KEYS[table])
-                if conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]:
-                    conn.execute(f"DELETE FROM {table} AS t USING (SELECT * {good}) AS s WHERE {cond}")
-                conn.execute(
-                    f"INSERT INTO {table} BY NAME SELECT {cols}, {meta} {good}",
-                    {"now": now, "run_id": run_id} if table in _DATA_TABLES else {"now": now},
-                )
-                if table in _DATA_TABLES:
-                    per_sha = conn.execute(f"SELECT input_sha256, count(*) {good} GROUP BY 1").fetchall()
-                    for sha, n in per_sha:
+                data = table in _DATA_TABLES
+                per_sha = upsert_staged(conn, table, now, run_id if data else None)
+                if data:
+                    for sha, n in per_sha.items():
                         loaded_by_sha.setdefault(sha, Counter())[table] += n
-                    setattr(s, f"n_{table}", getattr(s, f"n_{table}") + sum(n for _, n in per_sha))
+                    setattr(s, f"n_{table}", getattr(s, f"n_{table}") + sum(per_sha.values()))
 
             if self.materialise:  # stats for this batch's features, in the same transaction
                 conn.execute(
-                    """CREATE OR REPLACE TEMP TABLE changed_features AS
-                        SELECT DISTINCT model_id, source_id, feature_index FROM stage_activations
-                        WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = 'activations')
+                    f"""CREATE OR REPLACE TEMP TABLE changed_features AS
+                        SELECT DISTINCT model_id, source_id, feature_index {passed('activations')}
                         UNION
-                        SELECT model_id, source_id, feature_index FROM stage_features
-                        WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = 'features')"""
+                        SELECT model_id, source_id, feature_index {passed('features')}"""
                 )
                 materialise.refresh_changed(conn)
 
