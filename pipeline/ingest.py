@@ -28,7 +28,7 @@ from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
 from .load import insert_rows, passed, upsert_staged, utcnow
-from .parse import Rejected, parse_bytes
+from .parse import Rejected, first_line, gunzip_size, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
 
@@ -86,11 +86,12 @@ class _Batch:
         self.run_inputs: list[dict[str, str]] = []
         self.parsed: list[tuple[str, ParsedInput]] = []
         self.fast: list[Landed] = []  # single-line API JSON, left for DuckDB to read
+        self.exports: dict[str, list[Landed]] = {}  # gzip export rows by table, left for DuckDB
         self.n_activations = 0
         self.n_bytes = 0
 
     def __len__(self) -> int:
-        return len(self.inputs) + len(self.run_inputs) + len(self.fast)
+        return len(self.inputs) + len(self.run_inputs) + len(self.fast) + sum(map(len, self.exports.values()))
 
     def add(self, landed: Landed, parsed: ParsedInput) -> None:
         self.inputs.append((landed, str(getattr(parsed.format, "value", parsed.format)), None))
@@ -117,6 +118,15 @@ def _duckdb_readable(data: bytes) -> bool:
         body[:1] == b"{" and body[-1:] == b"}" and b"\n" not in body
         and body.count(b"[") + body.count(b"{") <= _MAX_DEPTH
     )
+
+
+def _export_table(data: bytes) -> str | None:
+    """For a gzip bulk-export batch of feature, activation or explanation rows, the table it
+    loads: DuckDB reads these as a stream, so a batch far larger than memory still loads."""
+    if not data.startswith(b"\x1f\x8b"):
+        return None
+    line = first_line(data)
+    return stage.export_table(line) if line else None
 
 
 _DATA_TABLES = tuple(validate.SUITES)
@@ -146,12 +156,19 @@ class _Run:
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too.
             threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
-        # DuckDB reads the API-JSON pages; any it cannot read cleanly take the Python road.
+        # DuckDB reads API-JSON pages and gzip export rows; what it cannot read cleanly takes the
+        # Python road, which parses it or refuses it with a precise reason.
         fast_ok = stage.read_api_json(conn, [(landed.sha256, landed.path) for landed in batch.fast])
-        for landed in batch.fast:
-            if landed.sha256 in fast_ok:
+        export_ok = stage.read_exports(
+            conn, {t: [(landed.sha256, landed.path) for landed in group] for t, group in batch.exports.items()}
+        )
+        duckdb_road = [(landed, "api_json", fast_ok) for landed in batch.fast] + [
+            (landed, "gzip+export_jsonl", export_ok) for group in batch.exports.values() for landed in group
+        ]
+        for landed, fmt, ok in duckdb_road:
+            if landed.sha256 in ok:
                 s.n_loaded += 1
-                batch.inputs.append((landed, "api_json", None))
+                batch.inputs.append((landed, fmt, None))
             else:
                 self._parse(batch, replace(landed, data=landed.path.read_bytes()))
         records: dict[str, list[tuple[str, Any]]] = {t: [] for t in stage.STAGED_TABLES}
@@ -283,6 +300,14 @@ class _Run:
         elif _duckdb_readable(landed.data):
             batch.fast.append(replace(landed, data=None))  # DuckDB reads it from the landing area
             batch.n_bytes += landed.n_bytes
+        elif (table := _export_table(landed.data)) is not None:
+            try:  # checked whole (CRC, end marker, size limit) without holding its contents
+                size = gunzip_size(landed.data, self.settings.max_decompressed_bytes)
+            except Rejected as exc:
+                self._reject(batch, landed, "gzip+export_jsonl", str(exc))
+                return
+            batch.exports.setdefault(table, []).append(replace(landed, data=None))
+            batch.n_bytes += size
         else:
             self._parse(batch, landed)
 

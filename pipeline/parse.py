@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import zlib
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -31,7 +32,7 @@ from .records import (
     SourceSet,
 )
 
-__all__ = ["Rejected", "parse_bytes", "gunzip_limited"]
+__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_size", "first_line"]
 
 
 class Rejected(ValueError):
@@ -50,35 +51,58 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def gunzip_limited(data: bytes, limit: int) -> bytes:
-    """Decompress gzip bytes (all members), refusing to produce more than ``limit`` bytes."""
-    out = bytearray()
+def _gunzip_chunks(data: bytes, limit: int) -> Iterator[bytes]:
+    """Decompress gzip bytes (all members) in chunks of at most 1 MiB, refusing to produce more
+    than ``limit`` bytes in all; raises :class:`Rejected` for corrupt or truncated input."""
+    produced = 0
     rest = data
     while rest:
         d = zlib.decompressobj(16 + zlib.MAX_WBITS)
         try:
-            while True:
+            while not d.eof:
                 chunk = d.decompress(rest, 1 << 20)
-                out += chunk
-                if len(out) > limit:
+                rest = d.unconsumed_tail
+                if not chunk and not rest:
+                    break  # input used up before the stream's end marker
+                produced += len(chunk)
+                if produced > limit:
                     raise Rejected(
                         f"gzip input expands past the {_fmt_bytes(limit)} limit "
                         "(FEATUREHOUSE_MAX_DECOMPRESSED_BYTES); refused as a possible gzip bomb"
                     )
-                rest = d.unconsumed_tail
-                if not rest or d.eof:
-                    break
+                yield chunk
         except zlib.error as exc:
             raise Rejected(f"gzip data is corrupt ({exc}); re-download or re-export the file") from exc
         if not d.eof:
             raise Rejected(
-                f"gzip stream is truncated: it ended after {_fmt_bytes(len(out))} of output "
+                f"gzip stream is truncated: it ended after {_fmt_bytes(produced)} of output "
                 "without its end marker; the file was cut short in transfer"
             )
         rest = d.unused_data.lstrip(b"\x00")
         if rest and not rest.startswith(_GZIP_MAGIC):
             raise Rejected("gzip file has trailing bytes that are not another gzip member")
-    return bytes(out)
+
+
+def gunzip_limited(data: bytes, limit: int) -> bytes:
+    """Decompress gzip bytes (all members), refusing to produce more than ``limit`` bytes."""
+    return b"".join(_gunzip_chunks(data, limit))
+
+
+def gunzip_size(data: bytes, limit: int) -> int:
+    """The decompressed size of gzip bytes, checked whole (CRC, end marker) and within ``limit``,
+    without holding the output: memory stays at one 1 MiB chunk however large the file."""
+    return sum(len(chunk) for chunk in _gunzip_chunks(data, limit))
+
+
+def first_line(data: bytes, limit: int = 1 << 20) -> bytes | None:
+    """The first line of gzip ``data`` (decompressing at most ``limit`` bytes), or None."""
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        head = d.decompress(data, limit)
+    except zlib.error:
+        return None
+    nl = head.find(b"\n")
+    return head[:nl] if nl >= 0 else (head if d.eof else None)
 
 
 def _utf8(data: bytes, what: str) -> str:

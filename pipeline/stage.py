@@ -16,6 +16,7 @@ checks that both roads give identical rows for the same page.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,12 @@ import pyarrow as pa
 
 from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
 
-__all__ = ["STAGED_TABLES", "read_api_json", "stage_parsed", "create_views", "raw_records", "drop"]
+__all__ = [
+    "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "stage_parsed", "create_views",
+    "raw_records", "drop",
+]
+
+log = logging.getLogger("featurehouse")
 
 #: Tables a batch stages, in load order.
 STAGED_TABLES = ("models", "source_sets", "sources", "features", "activations", "explanations")
@@ -113,6 +119,92 @@ def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]]
     return good
 
 
+#: Typed columns of bulk-export rows, by the table they load (both producers' column sets; a
+#: column a file lacks reads as NULL, a column we do not know is ignored).
+_EXPORT_COLUMNS: dict[str, dict[str, str]] = {
+    "activations": {
+        "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
+        "dataSource": "VARCHAR", "dataIndex": "VARCHAR", "tokens": "VARCHAR[]", "values": "DOUBLE[]",
+        "maxValue": "DOUBLE", "maxValueTokenIndex": "INTEGER", "minValue": "DOUBLE",
+        "dfaValues": "DOUBLE[]", "dfaTargetIndex": "INTEGER", "dfaMaxValue": "DOUBLE",
+        "lossValues": "DOUBLE[]", "logitContributions": "VARCHAR", "binMin": "DOUBLE",
+        "binMax": "DOUBLE", "binContains": "DOUBLE", "qualifyingTokenIndex": "INTEGER",
+        "creatorId": "VARCHAR", "createdAt": "VARCHAR",
+    },
+    "explanations": {
+        "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
+        "description": "VARCHAR", "explanationModelName": "VARCHAR", "typeName": "VARCHAR",
+        "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR",
+    },
+    "features": {k: v for k, v in _PAGE_COLUMNS.items()
+                 if k not in ("model", "source", "sourceSet", "activations", "explanations",
+                              "tokens", "values", "description")},
+}
+_EXPORT_ROW_BASE = 1 << 41  # _row ids of export rows: base + the temp table's rowid
+
+
+def export_table(first: bytes) -> str | None:
+    """Which table a bulk-export JSON-lines file loads, judged by its first line, or None when
+    it is not one of the three row kinds (model / source rows take the Python road)."""
+    try:
+        row = orjson.loads(first)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(row, dict):
+        return None
+    keys = row.keys()
+    if keys & {"activations", "explanations", "model", "source", "sourceSet"}:
+        return None  # a whole feature page (gzip API JSON), not an export row
+    if "tokens" in keys or "values" in keys:
+        return "activations"
+    if "description" in keys and "layer" in keys:
+        return "explanations"
+    if "layer" in keys and "index" in keys:
+        return "features"
+    return None
+
+
+def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[str, Path]]]) -> set[str]:
+    """Read gzip bulk-export files with DuckDB, streaming, into ``fast_export_<table>``.
+
+    ``files`` maps a data table to ``(sha256, landed path)`` pairs. Returns the digests read;
+    a group DuckDB cannot read (a malformed line) is left out whole, for the Python road to
+    parse or refuse with a precise reason.
+    """
+    read: set[str] = set()
+    for table, columns in _EXPORT_COLUMNS.items():
+        cols = ", ".join(f'"{k}" {v}' for k, v in columns.items())
+        conn.execute(
+            f"CREATE OR REPLACE TEMP TABLE fast_export_{table} (input_sha256 VARCHAR, {cols})"
+        )
+        group = files.get(table) or []
+        if not group:
+            continue
+        paths = [str(p) for _, p in group]
+        conn.register("_export_files", pa.table({"path": paths, "input_sha256": [sha for sha, _ in group]}))
+        try:
+            # Streams: no window or sort over the rows (a row's id is the temp table's rowid),
+            # so a batch larger than DuckDB's memory cap spills instead of failing.
+            conn.execute(
+                f"""INSERT INTO fast_export_{table} BY NAME
+                    SELECT f.input_sha256, j.* EXCLUDE (filename)
+                    FROM read_json($files, columns = $columns, format = 'newline_delimited',
+                                   compression = 'gzip', filename = true,
+                                   maximum_object_size = 33554432) AS j
+                    JOIN _export_files AS f ON f.path = j.filename""",
+                {"files": paths, "columns": columns},
+            )
+        except duckdb.Error as exc:
+            log.info("DuckDB could not read %d export file(s) of %s (%s); the Python parser takes them",
+                     len(group), table, exc)
+            conn.execute(f"DELETE FROM fast_export_{table}")
+        else:
+            read.update(sha for sha, _ in group)
+        finally:
+            conn.unregister("_export_files")
+    return read
+
+
 def _arrow_with_meta(table: str, items: list[tuple[str, Any]], start: int) -> pa.Table:
     arrow = to_arrow(table, [r for _, r in items])
     n = arrow.num_rows
@@ -135,47 +227,72 @@ def stage_parsed(conn: duckdb.DuckDBPyConnection, records: dict[str, list[tuple[
         conn.unregister("_py_rows")
 
 
+def _feature_columns(p: str) -> str:
+    """Select list mapping a feature object ``p`` (page or export row) to ``features`` columns."""
+    extra = ", ".join(f"'{f}', {p}.\"{f}\"" for f in FEATURE_EXTRA_FIELDS)
+    return f"""{p}.modelId AS model_id, {p}.layer AS source_id, TRY_CAST({p}."index" AS BIGINT) AS feature_index,
+               {p}.sourceSetName AS source_set_name, {p}.maxActApprox AS max_act_approx,
+               {p}.frac_nonzero, {p}.pos_str, {p}.pos_values, {p}.neg_str, {p}.neg_values,
+               {p}.hookName AS hook_name, {p}.hasVector AS has_vector, {p}.creatorId AS creator_id,
+               {_ts(f"{p}.createdAt")} AS created_at, CAST(json_object({extra}) AS VARCHAR) AS extra"""
+
+
+def _activation_columns(a: str) -> str:
+    """Select list mapping an activation object ``a`` (page element or export row)."""
+    return f"""{a}.id AS activation_id, {a}.modelId AS model_id, {a}.layer AS source_id,
+               TRY_CAST({a}."index" AS BIGINT) AS feature_index, {a}.dataSource AS data_source,
+               {a}.dataIndex AS data_index, {a}.tokens, {a}."values", {a}.maxValue AS max_value,
+               {a}.maxValueTokenIndex AS max_value_token_index, {a}.minValue AS min_value,
+               {a}.dfaValues AS dfa_values, {a}.dfaTargetIndex AS dfa_target_index,
+               {a}.dfaMaxValue AS dfa_max_value, {a}.lossValues AS loss_values,
+               {a}.logitContributions AS logit_contributions, {a}.binMin AS bin_min,
+               {a}.binMax AS bin_max, {a}.binContains AS bin_contains,
+               {a}.qualifyingTokenIndex AS qualifying_token_index, {a}.creatorId AS creator_id,
+               {_ts(f"{a}.createdAt")} AS created_at"""
+
+
+def _explanation_columns(e: str, model: str, layer: str, index: str) -> str:
+    """Select list mapping an explanation object ``e``; its key falls back to its page's."""
+    return f"""{e}.id AS explanation_id, coalesce({e}.modelId, {model}) AS model_id,
+               coalesce({e}.layer, {layer}) AS source_id,
+               coalesce(TRY_CAST({e}."index" AS BIGINT), {index}) AS feature_index,
+               {e}.description, {e}.explanationModelName AS explanation_model,
+               {e}.typeName AS type_name, {e}.authorId AS author_id,
+               CAST({e}.scores AS VARCHAR) AS scores, {_ts(f"{e}.createdAt")} AS created_at"""
+
+
+def _own_key(a: str) -> str:
+    """``model/source/index`` of an object; an index that is not a number is kept as written."""
+    return (f"""{a}.modelId || '/' || {a}.layer || '/' || """
+            f"""coalesce(CAST(TRY_CAST({a}."index" AS BIGINT) AS VARCHAR), {a}."index", '?')""")
+
+
+def _export_select(table: str) -> str:
+    """SQL giving the export road's rows for a data table (bulk-export rows carry their own key)."""
+    row = f"input_sha256, {_EXPORT_ROW_BASE} + rowid AS _row"
+    if table == "features":
+        return f"SELECT {_feature_columns('r')}, {row} FROM fast_export_features AS r"
+    if table == "activations":
+        return f"SELECT {_activation_columns('r')}, {row}, {_own_key('r')} AS page_key FROM fast_export_activations AS r"
+    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL')}, {row} "
+            "FROM fast_export_explanations AS r")
+
+
 def _fast_select(table: str) -> str:
     """SQL giving the DuckDB road's rows for ``table``, with the same columns as the Python road."""
-    key = 'CAST(CAST(p."index" AS BIGINT) AS VARCHAR)'
     if table == "features":
-        extra = ", ".join(f"'{f}', p.\"{f}\"" for f in FEATURE_EXTRA_FIELDS)
-        return f"""
-            SELECT p.modelId AS model_id, p.layer AS source_id, CAST(p."index" AS BIGINT) AS feature_index,
-                   p.sourceSetName AS source_set_name, p.maxActApprox AS max_act_approx,
-                   p.frac_nonzero, p.pos_str, p.pos_values, p.neg_str, p.neg_values,
-                   p.hookName AS hook_name, p.hasVector AS has_vector, p.creatorId AS creator_id,
-                   {_ts("p.createdAt")} AS created_at,
-                   CAST(json_object({extra}) AS VARCHAR) AS extra,
-                   p.input_sha256, p._page << 20 AS _row
-            FROM fast_pages AS p"""
+        return f"SELECT {_feature_columns('p')}, p.input_sha256, p._page << 20 AS _row FROM fast_pages AS p"
     if table == "activations":
         return f"""
-            SELECT a.id AS activation_id, a.modelId AS model_id, a.layer AS source_id,
-                   TRY_CAST(a."index" AS BIGINT) AS feature_index, a.dataSource AS data_source,
-                   a.dataIndex AS data_index, a.tokens, a."values", a.maxValue AS max_value,
-                   a.maxValueTokenIndex AS max_value_token_index, a.minValue AS min_value,
-                   a.dfaValues AS dfa_values, a.dfaTargetIndex AS dfa_target_index,
-                   a.dfaMaxValue AS dfa_max_value, a.lossValues AS loss_values,
-                   a.logitContributions AS logit_contributions, a.binMin AS bin_min,
-                   a.binMax AS bin_max, a.binContains AS bin_contains,
-                   a.qualifyingTokenIndex AS qualifying_token_index, a.creatorId AS creator_id,
-                   {_ts("a.createdAt")} AS created_at,
-                   input_sha256, (_page << 20) + pos AS _row, page_key
+            SELECT {_activation_columns('a')}, input_sha256, (_page << 20) + pos AS _row, page_key
             FROM (
-                SELECT p.input_sha256, p._page,
-                       p.modelId || '/' || p.layer || '/' || {key} AS page_key,
+                SELECT p.input_sha256, p._page, {_own_key('p')} AS page_key,
                        unnest(p.activations) AS a, generate_subscripts(p.activations, 1) AS pos
                 FROM fast_pages AS p
             )"""
     if table == "explanations":
         return f"""
-            SELECT e.id AS explanation_id, coalesce(e.modelId, page_model) AS model_id,
-                   coalesce(e.layer, page_layer) AS source_id,
-                   coalesce(TRY_CAST(e."index" AS BIGINT), page_index) AS feature_index,
-                   e.description, e.explanationModelName AS explanation_model,
-                   e.typeName AS type_name, e.authorId AS author_id,
-                   CAST(e.scores AS VARCHAR) AS scores, {_ts("e.createdAt")} AS created_at,
+            SELECT {_explanation_columns('e', 'page_model', 'page_layer', 'page_index')},
                    input_sha256, (_page << 20) + pos AS _row
             FROM (
                 SELECT p.input_sha256, p._page, p.modelId AS page_model, p.layer AS page_layer,
@@ -233,10 +350,12 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
     """
     for table in STAGED_TABLES:
         keys = _KEYS[table]
-        union = f"""SELECT * FROM ({_fast_select(table)})
-                    UNION ALL BY NAME
-                    SELECT * EXCLUDE (_raw) FROM py_{table}""" if table in _RAW_TABLES else f"""
-                    SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"""
+        if table in _RAW_TABLES:
+            union = f"""SELECT * FROM ({_fast_select(table)})
+                        UNION ALL BY NAME SELECT * FROM ({_export_select(table)})
+                        UNION ALL BY NAME SELECT * EXCLUDE (_raw) FROM py_{table}"""
+        else:
+            union = f"SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"
         conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table}_all AS {union}")
         (repeats,) = conn.execute(
             f"SELECT count(*) > count(DISTINCT ({keys})) FROM stage_{table}_all"
@@ -260,6 +379,13 @@ def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) ->
     """The records behind staged ``rows`` of ``table``, as received: ``_row → (sha256, JSON)``."""
     if not rows:
         return {}
+    export = [r for r in rows if r >= _EXPORT_ROW_BASE]
+    if export:  # export rows as typed (the gzip file is not read again for a few records)
+        q = f"""SELECT {_EXPORT_ROW_BASE} + rowid AS _row, input_sha256, CAST(to_json(r) AS VARCHAR)
+                FROM fast_export_{table} AS r
+                WHERE rowid IN (SELECT unnest($rows::BIGINT[]) - {_EXPORT_ROW_BASE})"""
+        found = {r: (sha, j) for r, sha, j in conn.execute(q, {"rows": export}).fetchall()}
+    rows = [r for r in rows if r < _EXPORT_ROW_BASE]
     fast = [r for r in rows if r < _PY_ROW_BASE]
     out: dict[int, tuple[str, str]] = {}
     if fast:
@@ -285,6 +411,8 @@ def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) ->
     if slow:
         q = f"SELECT _row, input_sha256, _raw FROM py_{table} WHERE _row IN (SELECT unnest($rows::BIGINT[]))"
         out.update({r: (sha, j) for r, sha, j in conn.execute(q, {"rows": slow}).fetchall()})
+    if export:
+        out.update(found)
     return out
 
 
@@ -308,4 +436,6 @@ def drop(conn: duckdb.DuckDBPyConnection) -> None:
             conn.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} stage_{table}")
         conn.execute(f"DROP TABLE IF EXISTS py_{table}")
     conn.execute("DROP TABLE IF EXISTS fast_pages")
+    for table in _EXPORT_COLUMNS:
+        conn.execute(f"DROP TABLE IF EXISTS fast_export_{table}")
     conn.execute("DROP TABLE IF EXISTS fast_files")

@@ -39,7 +39,10 @@ def connect(path: Path | str, read_only: bool = False) -> duckdb.DuckDBPyConnect
     # whole row groups, which DuckDB writes straight to the file at commit instead of through
     # the WAL and a second time at checkpoint. Halves the write cost of a load (see bench/).
     # The memory cap bounds DuckDB's buffer pool, which otherwise grows with the warehouse.
-    conn = duckdb.connect(config={"memory_limit": os.environ.get("FEATUREHOUSE_DUCKDB_MEMORY", "1GB")})
+    conn = duckdb.connect(config={
+        "memory_limit": os.environ.get("FEATUREHOUSE_DUCKDB_MEMORY", "1GB"),
+        "temp_directory": f"{path}.tmp",  # spills go beside the warehouse, not into the cwd
+    })
     quoted = str(path).replace("'", "''")
     conn.execute(f"ATTACH '{quoted}' AS warehouse (ROW_GROUP_SIZE {ROW_GROUP_SIZE})")
     conn.execute("USE warehouse")
