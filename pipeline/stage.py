@@ -2,16 +2,19 @@
 
 Two roads lead into the same staging views:
 
-* **API JSON pages** (one object per file, on one line — what the API and the fetcher send) are
-  read by DuckDB's own ``read_json`` straight from the landing area, typed by column. This is
-  the bulk road: it never builds Python objects for the millions of token values a batch holds,
-  which is what keeps ingest within a small factor of a bare ``read_json`` load (see bench/).
-* **Everything else** (flight text, HTML, gzip, exports, pretty-printed or odd JSON) is parsed in
-  Python (``parse.py``) into records, moved into DuckDB through Arrow.
+* **The DuckDB road.** API-JSON pages (one object per file, on one line — what the API and the
+  fetcher send) and gzip bulk-export batches of feature, activation or explanation rows are read
+  by DuckDB's own ``read_json`` straight from the landing area, typed by column. It never builds
+  Python objects for the millions of token values a batch holds, which keeps ingest within a
+  small factor of a bare ``read_json`` load (see bench/), and it reads an export batch as a
+  stream, so a batch larger than memory still loads.
+* **The Python road.** Everything else (flight text, HTML, gzip pages, model and source rows,
+  pretty-printed or odd JSON) is parsed in Python (``parse.py``) into records, moved into DuckDB
+  through Arrow.
 
 A file the DuckDB road cannot read cleanly (malformed, not one object, no valid key) falls back
-to the Python road, which either parses it or refuses it with a precise reason. The golden test
-checks that both roads give identical rows for the same page.
+to the Python road, which either parses it or refuses it with a precise reason. The golden
+tests check that both roads give identical rows for the same data.
 """
 
 from __future__ import annotations
@@ -38,19 +41,28 @@ STAGED_TABLES = ("models", "source_sets", "sources", "features", "activations", 
 
 _PY_ROW_BASE = 1 << 40  # _row ids of Python-road records; DuckDB-road ids are page << 20 | position
 
-_ACTIVATION = (
-    'STRUCT(id VARCHAR, modelId VARCHAR, layer VARCHAR, "index" VARCHAR, dataSource VARCHAR, '
-    'dataIndex VARCHAR, tokens VARCHAR[], "values" DOUBLE[], maxValue DOUBLE, '
-    "maxValueTokenIndex INTEGER, minValue DOUBLE, dfaValues DOUBLE[], dfaTargetIndex INTEGER, "
-    "dfaMaxValue DOUBLE, lossValues DOUBLE[], logitContributions VARCHAR, binMin DOUBLE, "
-    "binMax DOUBLE, binContains DOUBLE, qualifyingTokenIndex INTEGER, creatorId VARCHAR, "
-    "createdAt VARCHAR)[]"
-)
-_EXPLANATION = (
-    'STRUCT(id VARCHAR, modelId VARCHAR, layer VARCHAR, "index" VARCHAR, description VARCHAR, '
-    "explanationModelName VARCHAR, typeName VARCHAR, authorId VARCHAR, scores JSON, "
-    "createdAt VARCHAR)[]"
-)
+#: Typed fields of an activation and of an explanation, as pages nest them and as bulk-export
+#: rows carry them (a field a source lacks reads as NULL; one we do not know is ignored).
+_ACTIVATION_FIELDS: dict[str, str] = {
+    "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
+    "dataSource": "VARCHAR", "dataIndex": "VARCHAR", "tokens": "VARCHAR[]", "values": "DOUBLE[]",
+    "maxValue": "DOUBLE", "maxValueTokenIndex": "INTEGER", "minValue": "DOUBLE",
+    "dfaValues": "DOUBLE[]", "dfaTargetIndex": "INTEGER", "dfaMaxValue": "DOUBLE",
+    "lossValues": "DOUBLE[]", "logitContributions": "VARCHAR", "binMin": "DOUBLE",
+    "binMax": "DOUBLE", "binContains": "DOUBLE", "qualifyingTokenIndex": "INTEGER",
+    "creatorId": "VARCHAR", "createdAt": "VARCHAR",
+}
+_EXPLANATION_FIELDS: dict[str, str] = {
+    "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
+    "description": "VARCHAR", "explanationModelName": "VARCHAR", "typeName": "VARCHAR",
+    "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR",
+}
+
+
+def _struct_list(fields: dict[str, str]) -> str:
+    return "STRUCT(" + ", ".join(f'"{k}" {v}' for k, v in fields.items()) + ")[]"
+
+
 _PAGE_COLUMNS: dict[str, str] = {
     "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR", "sourceSetName": "VARCHAR",
     "maxActApprox": "DOUBLE", "frac_nonzero": "DOUBLE", "pos_str": "VARCHAR[]",
@@ -58,7 +70,7 @@ _PAGE_COLUMNS: dict[str, str] = {
     "hookName": "VARCHAR", "hasVector": "BOOLEAN", "creatorId": "VARCHAR", "createdAt": "VARCHAR",
     **{f: "JSON" for f in FEATURE_EXTRA_FIELDS},
     "model": "JSON", "source": "JSON", "sourceSet": "JSON",
-    "activations": _ACTIVATION, "explanations": _EXPLANATION,
+    "activations": _struct_list(_ACTIVATION_FIELDS), "explanations": _struct_list(_EXPLANATION_FIELDS),
     # Present only on bulk-export activation / explanation rows, which are not pages:
     "tokens": "JSON", "values": "JSON", "description": "JSON",
 }
@@ -119,23 +131,10 @@ def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]]
     return good
 
 
-#: Typed columns of bulk-export rows, by the table they load (both producers' column sets; a
-#: column a file lacks reads as NULL, a column we do not know is ignored).
+#: Typed columns of bulk-export rows, by the table they load.
 _EXPORT_COLUMNS: dict[str, dict[str, str]] = {
-    "activations": {
-        "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
-        "dataSource": "VARCHAR", "dataIndex": "VARCHAR", "tokens": "VARCHAR[]", "values": "DOUBLE[]",
-        "maxValue": "DOUBLE", "maxValueTokenIndex": "INTEGER", "minValue": "DOUBLE",
-        "dfaValues": "DOUBLE[]", "dfaTargetIndex": "INTEGER", "dfaMaxValue": "DOUBLE",
-        "lossValues": "DOUBLE[]", "logitContributions": "VARCHAR", "binMin": "DOUBLE",
-        "binMax": "DOUBLE", "binContains": "DOUBLE", "qualifyingTokenIndex": "INTEGER",
-        "creatorId": "VARCHAR", "createdAt": "VARCHAR",
-    },
-    "explanations": {
-        "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
-        "description": "VARCHAR", "explanationModelName": "VARCHAR", "typeName": "VARCHAR",
-        "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR",
-    },
+    "activations": _ACTIVATION_FIELDS,
+    "explanations": _EXPLANATION_FIELDS,
     "features": {k: v for k, v in _PAGE_COLUMNS.items()
                  if k not in ("model", "source", "sourceSet", "activations", "explanations",
                               "tokens", "values", "description")},
