@@ -229,8 +229,11 @@ def test_ctrl_c_during_a_long_retry_after_stops_promptly_and_says_how_to_resume(
         args = [sys.executable, "-m", "pipeline.cli", "fetch", "features", "--model", MODEL, "--source", SOURCE,
                 "--range", "0:4", "--base-url", np.base_url, "--warehouse", str(settings.warehouse),
                 "--window", "w-int", "--no-progress"]
+        # A shell that starts a job in the background (as CI may) ignores SIGINT in it, and Python
+        # keeps an inherited "ignore": give the child the default a terminal's Ctrl-C finds.
         proc = subprocess.Popen(args, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60
         while np.count() == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
