@@ -214,8 +214,12 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
     from .fetch import ingest_fetched
 
     click.echo(f"fetch window {window}", err=True)
+    from .fetch import BadApiKey
+
     try:
         result = fetch()
+    except BadApiKey as exc:
+        raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         click.echo(f"\ninterrupted: what landed is kept; run the same command with --window {window} "
                    "to fetch only the rest", err=True)

@@ -24,7 +24,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlparse
 
 import orjson
 import requests
@@ -247,7 +247,41 @@ class _RateLimiter:
 def _redactor(secret: str | None) -> Callable[[str], str]:
     if not secret:
         return lambda s: s
-    return lambda s: s.replace(secret, "***")
+    forms = sorted({secret, secret.strip(), repr(secret)[1:-1]} - {""}, key=len, reverse=True)
+
+    def redact(s: str) -> str:
+        for form in forms:
+            s = s.replace(form, "***")
+        return s
+
+    return redact
+
+
+class BadApiKey(ValueError):
+    "The API key cannot be sent as an HTTP header (it holds a line break or another control character)."
+
+
+def _clean_key(api_key: str | None) -> str | None:
+    """The key with surrounding whitespace removed (a copy from a CRLF .env file ends in \\r);
+    refused, without being shown, if a control character remains inside it."""
+    if api_key is None:
+        return None
+    key = api_key.strip()
+    if any(ord(c) < 32 or ord(c) == 127 for c in key):
+        raise BadApiKey("the Neuronpedia API key holds a control character (a line break?): "
+                        "check NEURONPEDIA_API_KEY / --api-key")
+    return key or None
+
+
+class _KeySession(requests.Session):
+    """A session that never carries the API key across a redirect to another host: requests
+    strips Authorization there, but not a custom header such as ``x-api-key``."""
+
+    def rebuild_auth(self, prepared_request, response):  # noqa: D401 - requests' hook
+        super().rebuild_auth(prepared_request, response)
+        old, new = urlparse(response.request.url), urlparse(prepared_request.url)
+        if (old.scheme, old.hostname, old.port) != (new.scheme, new.hostname, new.port):
+            prepared_request.headers.pop("x-api-key", None)
 
 
 class _Client:
@@ -259,12 +293,13 @@ class _Client:
         self.max_attempts = max(1, max_attempts)
         self.backoff = backoff
         self.max_backoff = max_backoff
+        api_key = _clean_key(api_key)
         self.redact = _redactor(api_key)
         self.api_key = api_key
         self.cancelled = threading.Event()
         self.limiter = _RateLimiter(requests_per_hour, burst=concurrency, max_spacing=max_backoff,
                                     cancelled=self.cancelled)
-        self.session = requests.Session()
+        self.session = _KeySession()
         self.session.headers["User-Agent"] = USER_AGENT
         # Retries happen one level up (they must also cover bodies cut short), so the adapter
         # itself never retries; it only pools connections, one per worker.
@@ -458,7 +493,9 @@ class _Fetcher:
                             "sha256": None, "landed_path": None,
                             "last_error": self.client.redact(str(exc))}
         except Exception as exc:  # a bug or a local disk problem: record it, keep going
-            log.exception("unexpected error fetching %s", job.url)
+            # No traceback: its frames' text could carry the key; the redacted message is enough.
+            log.error("unexpected error fetching %s: %s", job.url,
+                      self.client.redact(f"{type(exc).__name__}: {exc}"))
             entry = base | {"status": "failed", "attempts": 0, "http_status": None, "sha256": None,
                             "landed_path": None,
                             "last_error": self.client.redact(f"{type(exc).__name__}: {exc}")}

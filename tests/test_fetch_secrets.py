@@ -67,3 +67,67 @@ def test_api_key_never_leaks(tmp_path, caplog, capfd):
             assert hits == 0, t
         failed = conn.execute("SELECT feature_key, last_error FROM fetch_failures WHERE status = 'failed'").fetchall()
         assert failed == [(f"{MODEL}/{SOURCE}/4", 'HTTP 500: {"error":"internal error for key ***"}')]
+
+
+def test_a_redirect_to_another_host_never_carries_the_key(tmp_path):
+    """requests drops Authorization on a cross-host redirect but keeps custom headers: a 302 from
+    the API to another host must not hand it the key (same-host redirects still carry it)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append((self.path, self.headers.get("x-api-key")))
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error":"Not found"}')
+
+        def log_message(self, *a):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    target = f"http://127.0.0.1:{other.server_address[1]}"
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(("redirector" + self.path, self.headers.get("x-api-key")))
+            self.send_response(302)
+            self.send_header("Location", target + self.path)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    redirector = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=redirector.serve_forever, daemon=True).start()
+    try:
+        s = settings_in(tmp_path)
+        out = CliRunner().invoke(cli, ["fetch", "features", "--model", MODEL, "--source", SOURCE,
+                                       "--index", "1", "--base-url",
+                                       f"http://127.0.0.1:{redirector.server_address[1]}",
+                                       "--warehouse", str(s.warehouse), "--no-progress"],
+                                 env={"NEURONPEDIA_API_KEY": KEY})
+    finally:
+        other.shutdown()
+        redirector.shutdown()
+    assert out.exit_code == 0, out.output  # the other host's 404 is "feature not found"
+    assert [k for p, k in seen if p.startswith("redirector")] == [KEY]
+    assert [k for p, k in seen if not p.startswith("redirector")] == [None]
+
+
+def test_a_key_with_line_breaks_is_cleaned_or_refused_never_shown(tmp_path):
+    s = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(2), api_key=KEY) as np:
+        args = ["fetch", "features", "--model", MODEL, "--source", SOURCE, "--index", "1",
+                "--base-url", np.base_url, "--warehouse", str(s.warehouse), "--no-progress"]
+        crlf = CliRunner().invoke(cli, args, env={"NEURONPEDIA_API_KEY": KEY + "\r\n"})
+        inner = CliRunner().invoke(cli, args, env={"NEURONPEDIA_API_KEY": KEY[:6] + "\r" + KEY[6:]})
+        sent = [r.headers.get("x-api-key") for r in np.seen(prefix="/api/")]
+    assert crlf.exit_code == 0, crlf.output  # a CRLF .env file's trailing \r\n is stripped
+    assert sent == [KEY]  # the refused key never reached the server
+    assert inner.exit_code != 0 and "control character" in inner.output
+    assert KEY[6:] not in inner.output and KEY[:6] + "\\r" not in inner.output
