@@ -28,7 +28,7 @@ from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
 from .load import insert_rows, passed, upsert_staged, utcnow
-from .parse import Rejected, first_line, gunzip_size, parse_bytes
+from .parse import Rejected, first_line, gunzip_file_size, gunzip_size, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
 
@@ -120,6 +120,14 @@ def _duckdb_readable(data: bytes) -> bool:
     )
 
 
+_LIMIT_MARK = "FEATUREHOUSE_MAX_"  # every size-limit refusal names its setting
+
+
+def _head(path: Path, n: int = 1 << 22) -> bytes:
+    with path.open("rb") as f:
+        return f.read(n)
+
+
 def _export_table(data: bytes) -> str | None:
     """For a gzip bulk-export batch of feature, activation or explanation rows, the table it
     loads: DuckDB reads these as a stream, so a batch far larger than memory still loads."""
@@ -141,10 +149,20 @@ class _Run:
         self.summary = summary
         self.reprocess = reprocess
         self.batch_no = 0
-        self.known = {
-            sha for (sha,) in conn.execute("SELECT input_sha256 FROM raw_inputs").fetchall()
+        # Inputs already landed. Those refused only for a size limit are looked at again: raising
+        # FEATUREHOUSE_MAX_* is how a person acts on that reason, so the outcome may change.
+        rows = conn.execute(
+            f"SELECT input_sha256, reason LIKE '%{_LIMIT_MARK}%' FROM raw_inputs"
+        ).fetchall()
+        self.landed_before = {sha for sha, _ in rows}
+        self.known = {sha for sha, over_limit in rows if not over_limit}
+        # A retried run (same run id, e.g. an Airflow retry) skips what its earlier attempt saw.
+        self.seen_this_run: set[str] = {
+            sha for (sha,) in conn.execute(
+                "SELECT DISTINCT input_sha256 FROM run_inputs WHERE run_id = ?", [summary.run_id]
+            ).fetchall()
         }
-        self.seen_this_run: set[str] = set()
+        self.seen_before_this_attempt = set(self.seen_this_run)
 
     def flush(self, batch: _Batch) -> None:
         if not len(batch):
@@ -281,20 +299,32 @@ class _Run:
 
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
-        s.n_received += 1
         landed = land(item, self.settings.landing_dir, self.settings.max_input_bytes)
+        if landed.sha256 in self.seen_before_this_attempt:
+            return  # an earlier attempt of this run already counted and recorded it
+        s.n_received += 1
         if (landed.sha256 in self.known and not self.reprocess) or landed.sha256 in self.seen_this_run:
             s.n_duplicates += 1
             batch.run_inputs.append({"run_id": s.run_id, "input_sha256": landed.sha256,
                                      "origin": item.origin, "outcome": "duplicate"})
             return
         self.seen_this_run.add(landed.sha256)
-        if landed.sha256 not in self.known:
+        if landed.sha256 not in self.landed_before:
             s.n_landed += 1
         if landed.data is None:
+            table = _export_table(_head(landed.path))
+            if table is not None:  # an export batch too big to read into memory: DuckDB streams it
+                try:
+                    size = gunzip_file_size(landed.path, self.settings.max_decompressed_bytes)
+                except Rejected as exc:
+                    self._reject(batch, landed, "gzip+export_jsonl", str(exc))
+                    return
+                batch.exports.setdefault(table, []).append(landed)
+                batch.n_bytes += size
+                return
             reason = (
                 f"input is {landed.n_bytes:,} bytes, over the {self.settings.max_input_bytes:,}-byte "
-                "limit (FEATUREHOUSE_MAX_INPUT_BYTES); it is landed but was not parsed"
+                f"limit ({_LIMIT_MARK}INPUT_BYTES); it is landed but was not parsed"
             )
             self._reject(batch, landed, "unknown", reason)
         elif _duckdb_readable(landed.data):
@@ -373,7 +403,10 @@ def ingest(
     conn = warehouse.connect(settings.warehouse)
     try:
         existing = conn.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
-        if existing:
+        if existing:  # a retry of the same run: carry on from what its earlier attempts counted
+            stored = conn.execute(f"SELECT {', '.join(_COUNTERS)} FROM runs WHERE run_id = ?", [run_id]).fetchone()
+            for name, value in zip(_COUNTERS, stored):
+                setattr(summary, name, value or 0)
             conn.execute("UPDATE runs SET status = 'running', started_at = ?, finished_at = NULL, error = NULL WHERE run_id = ?", [utcnow(), run_id])
         else:
             conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",

@@ -8,11 +8,13 @@ Anything else is refused with :class:`Rejected`, whose message says what was wro
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import math
 import zlib
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -32,7 +34,7 @@ from .records import (
     SourceSet,
 )
 
-__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_size", "first_line"]
+__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_size", "gunzip_file_size", "first_line"]
 
 
 class Rejected(ValueError):
@@ -92,6 +94,28 @@ def gunzip_size(data: bytes, limit: int) -> int:
     """The decompressed size of gzip bytes, checked whole (CRC, end marker) and within ``limit``,
     without holding the output: memory stays at one 1 MiB chunk however large the file."""
     return sum(len(chunk) for chunk in _gunzip_chunks(data, limit))
+
+
+def gunzip_file_size(path: Path, limit: int) -> int:
+    """:func:`gunzip_size` for a file too large to read into memory: streamed 1 MiB at a time."""
+    produced = 0
+    try:
+        with gzip.open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                produced += len(chunk)
+                if produced > limit:
+                    raise Rejected(
+                        f"gzip input expands past the {_fmt_bytes(limit)} limit "
+                        "(FEATUREHOUSE_MAX_DECOMPRESSED_BYTES); refused as a possible gzip bomb"
+                    )
+    except EOFError as exc:
+        raise Rejected(
+            f"gzip stream is truncated: it ended after {_fmt_bytes(produced)} of output "
+            "without its end marker; the file was cut short in transfer"
+        ) from exc
+    except (gzip.BadGzipFile, zlib.error) as exc:
+        raise Rejected(f"gzip data is corrupt ({exc}); re-download or re-export the file") from exc
+    return produced
 
 
 def first_line(data: bytes, limit: int = 1 << 20) -> bytes | None:

@@ -139,3 +139,56 @@ def test_reprocess_keeps_when_and_by_which_run_an_input_first_landed(tmp_path):
     outcomes = query(settings.warehouse, "SELECT run_id, outcome FROM run_inputs ORDER BY 1, 2")
     assert outcomes == sorted([(first.run_id, "loaded"), (first.run_id, "rejected"),
                                (second.run_id, "loaded"), (second.run_id, "rejected")])
+
+
+def test_a_retried_run_keeps_what_its_first_attempt_counted(tmp_path):
+    """An Airflow retry re-runs ingest under the same run id: the run's counts and its
+    run_inputs must stay those of the work done, not be reset to "all duplicates"."""
+    from pipeline.config import Settings
+
+    settings = Settings(warehouse=tmp_path / "wh.duckdb")
+    first = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], settings, run_id="R")
+    again = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], settings, run_id="R")
+    counts = "n_received, n_loaded, n_rejected, n_duplicates, n_features, n_activations"
+    assert query(settings.warehouse, f"SELECT {counts} FROM runs WHERE run_id = 'R'") == [
+        (first.n_received, first.n_loaded, first.n_rejected, 0, first.n_features, first.n_activations)]
+    assert (again.n_loaded, again.n_rejected, again.n_duplicates) == (first.n_loaded, first.n_rejected, 0)
+    assert query(settings.warehouse, "SELECT outcome FROM run_inputs ORDER BY 1") == [("loaded",), ("rejected",)]
+
+
+def test_an_input_refused_for_a_size_limit_loads_once_the_limit_is_raised(tmp_path):
+    from pipeline.config import Settings
+
+    small = Settings(warehouse=tmp_path / "wh.duckdb", max_input_bytes=1000)
+    first = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], small)
+    assert first.n_rejected == 2 and "FEATUREHOUSE_MAX_INPUT_BYTES" in first.rejected[0]["reason"]
+    again = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], replace(small, max_input_bytes=2**28))
+    # the seed page loads now; the page that is not a feature page is refused for what it is
+    assert (again.n_loaded, again.n_rejected, again.n_landed) == (1, 1, 0)
+    assert query(small.warehouse, "SELECT count(*) FROM activations") == [(39,)]
+    reasons = [r for (r,) in query(small.warehouse, "SELECT reason FROM raw_inputs WHERE status = 'rejected'")]
+    assert len(reasons) == 1 and "not a Neuronpedia feature page" in reasons[0]
+    # and a third run changes nothing: both are now settled
+    third = run_ingest([SEED_FLIGHT, SEED_NOT_A_PAGE], replace(small, max_input_bytes=2**28))
+    assert (third.n_duplicates, third.n_loaded, third.n_rejected) == (2, 0, 0)
+
+
+def test_an_export_batch_over_the_input_limit_is_streamed_not_refused(tmp_path):
+    """The input limit bounds what is read into memory; a gzip export batch is never read into
+    memory (DuckDB streams it), so only the decompressed limit applies to it."""
+    import gzip
+
+    from pipeline.config import Settings
+    from tests.fake_neuronpedia import build_bucket, small_pages
+
+    objects = build_bucket(small_pages(range(0, 20), n_activations=3), producer="a")
+    key = next(k for k in objects if "/activations/" in k)
+    path = tmp_path / "activations-batch-0.jsonl.gz"
+    path.write_bytes(objects[key])
+    n_rows = len(gzip.decompress(objects[key]).splitlines())
+    settings = Settings(warehouse=tmp_path / "wh.duckdb", max_input_bytes=len(objects[key]) // 2)
+    summary = run_ingest([path], settings)
+    assert (summary.n_loaded, summary.n_rejected, summary.n_activations) == (1, 0, n_rows)
+    bomb = Settings(warehouse=tmp_path / "wh2.duckdb", max_input_bytes=100, max_decompressed_bytes=1000)
+    refused = run_ingest([path], bomb)
+    assert refused.n_rejected == 1 and "FEATUREHOUSE_MAX_DECOMPRESSED_BYTES" in refused.rejected[0]["reason"]
