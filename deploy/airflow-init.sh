@@ -5,7 +5,7 @@
 set -euo pipefail
 
 airflow db migrate
-airflow pools set neuronpedia_api "${FEATUREHOUSE_API_SLOTS:-4}" "Fetch tasks calling Neuronpedia at once (each keeps its own rate budget)"
+airflow pools set neuronpedia_api "${FEATUREHOUSE_API_SLOTS:-4}" "Fetch tasks calling Neuronpedia at once (they share the nightly rate budget)"
 airflow pools set warehouse_writer 1 "DuckDB has one writer: every task that writes the warehouse"
 
 # The simple auth manager reads users from AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS and their

@@ -101,7 +101,11 @@ class Plan:
     concurrency: int = 4
     """Concurrent requests within one fetch task."""
     requests_per_hour: int = 20_000
-    """Request budget of one fetch task."""
+    """Request budget of the whole nightly fetch, shared by the fetch tasks that run at once
+    (each gets ``requests_per_hour // parallel_fetches``): Neuronpedia's limit is per IP."""
+    parallel_fetches: int = 4
+    """Fetch tasks that may run at once: the DAG's ``max_active_tis_per_dagrun`` and at most the
+    ``neuronpedia_api`` pool's slots (``$FEATUREHOUSE_API_SLOTS``)."""
     sources: tuple[SourcePlan, ...] = field(default_factory=tuple)
 
 
@@ -236,6 +240,8 @@ def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Envi
         chunk_size=_positive(fetch.get("chunk_size", Plan.chunk_size), "[fetch] chunk_size"),
         concurrency=_positive(fetch.get("concurrency", Plan.concurrency), "[fetch] concurrency"),
         requests_per_hour=_positive(fetch.get("requests_per_hour", Plan.requests_per_hour), "[fetch] requests_per_hour"),
+        parallel_fetches=_positive(int(env.get("FEATUREHOUSE_API_SLOTS") or Plan.parallel_fetches),
+                                   "FEATUREHOUSE_API_SLOTS"),
         sources=tuple(_source(e, i) for i, e in enumerate(sources)),
     )
     seen: set[tuple[str, str]] = set()
@@ -287,8 +293,11 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
     if ranged:
         while sum(math.ceil((b - a) / size) for s in ranged for a, b in s.ranges) > room:
             size = max(size + 1, math.ceil(size * 1.25), math.ceil(total / room))
+    # Chunks run side by side, each with its own rate limiter: split the budget between them so
+    # that together they stay under it.
+    per_task = max(1, plan.requests_per_hour // max(1, plan.parallel_fetches))
     common = {"window": window, "base_url": plan.base_url, "exports_url": plan.exports_url,
-              "concurrency": plan.concurrency, "requests_per_hour": plan.requests_per_hour}
+              "concurrency": plan.concurrency, "requests_per_hour": per_task}
     out: list[dict[str, Any]] = []
     for s in plan.sources:
         base = {"model": s.model, "source": s.source, "via": s.via}
