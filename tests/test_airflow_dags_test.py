@@ -86,7 +86,10 @@ def test_nightly_fetches_from_the_fake_server_into_the_warehouse(home):
     assert q(wh, "SELECT count(*) FROM runs WHERE run_id LIKE 'airflow-featurehouse_nightly-%'")[0][0] == 1
     assert q(wh, "SELECT count(*) FROM raw_inputs")[0][0] == n_raw
     assert q(wh, "SELECT count(*) FROM features")[0][0] == len(WANTED)
-    assert q(wh, "SELECT n_loaded, n_duplicates FROM runs WHERE run_id = ?", [run_id]) == [(0, len(WANTED))]
+    # ... and the run keeps saying what it did (a re-run of the same interval is that run again,
+    # not a new run that found only duplicates)
+    assert q(wh, "SELECT n_loaded, n_duplicates FROM runs WHERE run_id = ?", [run_id]) == [(len(WANTED), 0)]
+    assert q(wh, "SELECT count(*) FROM run_inputs WHERE run_id = ?", [run_id]) == [(n_raw,)]
 
 
 def test_inbox_drains_the_seeds(home):
