@@ -28,7 +28,7 @@ from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
 from .load import insert_rows, passed, upsert_staged, utcnow
-from .parse import Rejected, first_line, gunzip_file_size, gunzip_size, parse_bytes
+from .parse import Rejected, first_line, gunzip_file_size, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
 
@@ -207,7 +207,6 @@ class _Run:
             self._load(batch, outcome, now)
         finally:
             stage.drop(conn)
-        self.known.update(landed.sha256 for landed, _, _ in batch.inputs)
 
     def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, now) -> None:
         conn, s, run_id = self.conn, self.summary, self.summary.run_id
@@ -311,33 +310,25 @@ class _Run:
         self.seen_this_run.add(landed.sha256)
         if landed.sha256 not in self.landed_before:
             s.n_landed += 1
-        if landed.data is None:
-            table = _export_table(_head(landed.path))
-            if table is not None:  # an export batch too big to read into memory: DuckDB streams it
-                try:
-                    size = gunzip_file_size(landed.path, self.settings.max_decompressed_bytes)
-                except Rejected as exc:
-                    self._reject(batch, landed, "gzip+export_jsonl", str(exc))
-                    return
-                batch.exports.setdefault(table, []).append(landed)
-                batch.n_bytes += size
-                return
-            reason = (
-                f"input is {landed.n_bytes:,} bytes, over the {self.settings.max_input_bytes:,}-byte "
-                f"limit ({_LIMIT_MARK}INPUT_BYTES); it is landed but was not parsed"
-            )
-            self._reject(batch, landed, "unknown", reason)
-        elif _duckdb_readable(landed.data):
+        if landed.data is not None and _duckdb_readable(landed.data):
             batch.fast.append(replace(landed, data=None))  # DuckDB reads it from the landing area
             batch.n_bytes += landed.n_bytes
-        elif (table := _export_table(landed.data)) is not None:
-            try:  # checked whole (CRC, end marker, size limit) without holding its contents
-                size = gunzip_size(landed.data, self.settings.max_decompressed_bytes)
+        elif (table := _export_table(landed.data or _head(landed.path))) is not None:
+            # An export batch: DuckDB streams it from the landing area, however large. It is
+            # checked whole first (CRC, end marker, size limit), never held in memory.
+            try:
+                size = gunzip_file_size(landed.path, self.settings.max_decompressed_bytes)
             except Rejected as exc:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
             batch.exports.setdefault(table, []).append(replace(landed, data=None))
             batch.n_bytes += size
+        elif landed.data is None:
+            reason = (
+                f"input is {landed.n_bytes:,} bytes, over the {self.settings.max_input_bytes:,}-byte "
+                f"limit ({_LIMIT_MARK}INPUT_BYTES); it is landed but was not parsed"
+            )
+            self._reject(batch, landed, "unknown", reason)
         else:
             self._parse(batch, landed)
 

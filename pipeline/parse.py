@@ -34,7 +34,7 @@ from .records import (
     SourceSet,
 )
 
-__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_size", "gunzip_file_size", "first_line"]
+__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_file_size", "first_line"]
 
 
 class Rejected(ValueError):
@@ -90,14 +90,9 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
     return b"".join(_gunzip_chunks(data, limit))
 
 
-def gunzip_size(data: bytes, limit: int) -> int:
-    """The decompressed size of gzip bytes, checked whole (CRC, end marker) and within ``limit``,
-    without holding the output: memory stays at one 1 MiB chunk however large the file."""
-    return sum(len(chunk) for chunk in _gunzip_chunks(data, limit))
-
-
 def gunzip_file_size(path: Path, limit: int) -> int:
-    """:func:`gunzip_size` for a file too large to read into memory: streamed 1 MiB at a time."""
+    """The decompressed size of a gzip file, checked whole (CRC, end marker) and within
+    ``limit``, streamed 1 MiB at a time: memory stays flat however large the file."""
     produced = 0
     try:
         with gzip.open(path, "rb") as f:
