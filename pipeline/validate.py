@@ -22,7 +22,6 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import duckdb
-import pyarrow as pa
 
 from .config import SCHEMAS_DIR
 
@@ -120,8 +119,6 @@ def warm_up() -> None:
 class ValidationOutcome:
     """What one batch's validation decided."""
 
-    passed: dict[str, pa.Array] = field(default_factory=dict)
-    """table → boolean mask over the staged rows: True where every expectation passed."""
     quarantine: list[dict[str, Any]] = field(default_factory=list)
     results: list[dict[str, Any]] = field(default_factory=list)
     gx_results: dict[str, Any] = field(default_factory=dict)
@@ -140,7 +137,7 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
     """Validate the batch's staged records with the tables' suites.
 
     ``staged`` names the tables to validate (its values are not used); each must be readable in
-    ``conn`` as ``stage_<table>`` (a view or table with a unique ``_row`` id per record). Returns pass masks, quarantine entries (without run and
+    ``conn`` as ``stage_<table>`` (a view or table with a unique ``_row`` id per record). Returns quarantine entries (without run and
     input ids, which the caller adds) and one result per expectation.
     """
     with _GX_LOCK:
@@ -199,8 +196,6 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
                         {"table": table, "row": row, "record_kind": SUITES[table],
                          "record_key": str(by_row.loc[row, "record_key"]), "check_name": check, "detail": detail}
                     )
-        # Row ids need not be positions (the DuckDB road numbers rows by page and position).
-        outcome.passed[table] = pa.array([int(r) not in failed for r in frame["_row"]], type=pa.bool_())
     return outcome
 
 
