@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import duckdb
 
@@ -153,6 +154,12 @@ def _run_scope(conn: duckdb.DuckDBPyConnection, run_id: str) -> tuple[str, str]:
     return all_sql, f"this run loaded no features; showing the whole warehouse ({n:,} feature(s))"
 
 
+def _feature_url(f: dict[str, Any]) -> str:
+    """The feature's page on Neuronpedia; each part of its key is one path segment, whatever it holds."""
+    parts = (f["model_id"], f["source_id"], f["feature_index"])
+    return _NEURONPEDIA + "".join("/" + quote(str(p), safe="") for p in parts)
+
+
 def _q(s: str) -> str:
     return s.replace("'", "''")
 
@@ -241,7 +248,7 @@ def _gather(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, A
         LEFT JOIN features f USING (model_id, source_id, feature_index)
         ORDER BY b.max_activation DESC""")
     for f in ctx["top_features"]:
-        f["url"] = f"{_NEURONPEDIA}/{f['model_id']}/{f['source_id']}/{f['feature_index']}"
+        f["url"] = _feature_url(f)
         f["tokens"] = [t["token"] for t in (f["top_tokens"] or [])[:6]]
     ctx["chat_pairs"] = conn.execute(f"""
         WITH scope AS ({scope})
@@ -268,6 +275,8 @@ def _gather(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, A
         SELECT r.*, exp(abs(log_ratio)) AS ratio, e.explanation
         FROM ranked r LEFT JOIN {expl} e USING (model_id, source_id, feature_index)
         WHERE rk <= 5 ORDER BY side, rk""")
+    for f in ctx["chat_extremes"]:
+        f["url"] = _feature_url(f)
 
     ctx["trend"] = conn.execute("""
         SELECT run_id, started_at, n_features + n_activations + n_explanations AS rows_loaded,
@@ -478,8 +487,11 @@ def _short(s: str, n: int) -> str:
 def _env():
     import jinja2
 
+    # Every template is HTML (named *.html.j2, which select_autoescape(["html"]) does not match):
+    # escape every value. Page text is text: tokens such as "<!--", "</" and "&" are ordinary.
+    # The one thing marked |safe is the charts' SVG, which Vega writes with its text escaped.
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)),
-                             autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["num"] = lambda v: "–" if v is None else (f"{v:,.0f}" if float(v) == int(v) else f"{v:,.3g}")
     env.filters["pct"] = lambda v, d=1: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}%"
     env.filters["frac"] = lambda v: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else (

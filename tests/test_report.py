@@ -348,13 +348,24 @@ class Browser:
 
     def open(self, url: str) -> None:
         self.events.clear()
+        self.dialogs: list[str] = []
         self.call("Page.navigate", session=True, url=url)
         deadline = time.monotonic() + 30
         while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not load")
+            self._dismiss_dialogs()
             self.events.append(self._read())
+        self._dismiss_dialogs()
         self.call("Runtime.evaluate", session=True, expression="1")  # flush pending console events
+
+    def _dismiss_dialogs(self) -> None:
+        """An alert() blocks the page's load: note it and dismiss it (a report must never open one)."""
+        for e in self.events:
+            if e.get("method") == "Page.javascriptDialogOpening" and not e.get("_handled"):
+                e["_handled"] = True
+                self.dialogs.append(e["params"].get("message", ""))
+                self.call("Page.handleJavaScriptDialog", session=True, accept=True)
 
     def js(self, expression: str):
         r = self.call("Runtime.evaluate", session=True, expression=expression, returnByValue=True)
@@ -434,3 +445,86 @@ def test_index_and_empty_reports_render_in_chromium(browser, tmp_path, expected)
     browser.open((settings.report_dir / "run-nothing-loaded.html").as_uri())
     assert browser.js("document.querySelectorAll('#chart-trend svg').length") == 4
     assert browser.js("document.querySelector('#verdict .word').innerText") == "FAIL"
+
+
+# --- page text is text: nothing from an input becomes markup ------------------------------------
+
+#: Strings a page, a file name or a rejected input may carry. Tokens such as "<", "</", "&" and
+#: "<!--" are ordinary in real activations; the rest would run or hide part of the page if
+#: written into it raw.
+HOSTILE = {
+    "description": "<script>alert(1)</script> & <b>bold</b>",
+    "tokens": ["<!--", "</", "&", "<", "<img src=x onerror=\"window.__pwned=1\">"],
+    "activation_id": "<img src=x onerror=\"window.__pwned=2\">",
+    "data_source": "<i>Chat</i>",
+    "source": "res\"><svg onload=window.__pwned=3>",
+    "origin": "<img src=x onerror=window.__pwned=4>.json",
+    "rejected_origin": "<!-- not a page.json",
+    "rejected_key": "<script>window.__pwned=5</script>",
+}
+
+
+@pytest.fixture(scope="module")
+def hostile_run(tmp_path_factory):
+    """One run whose page, file names and rejected input all carry markup-like text."""
+    import orjson
+
+    from tests.conftest import good_page
+
+    tmp = tmp_path_factory.mktemp("hostile")
+    page = good_page(3, source=HOSTILE["source"])
+    page["explanations"][0]["description"] = HOSTILE["description"]
+    top = page["activations"][0]
+    n = len(HOSTILE["tokens"])
+    top["tokens"], top["values"] = HOSTILE["tokens"], [5.0 + i for i in range(n)]
+    top["maxValue"], top["maxValueTokenIndex"], top["minValue"] = 4.0 + n, n - 1, 5.0
+    top["dataSource"] = HOSTILE["data_source"]
+    bad = dict(page["activations"][1], id=HOSTILE["activation_id"], tokens=["a", "b"], values=[2.0, 0.0])
+    bad["values"] = bad["values"][:1]
+    page["activations"].append(bad)  # tokens and values differ in length: quarantined
+    inputs = tmp / "in"
+    inputs.mkdir()
+    (inputs / HOSTILE["origin"]).write_bytes(orjson.dumps(page))
+    (inputs / HOSTILE["rejected_origin"]).write_bytes(orjson.dumps({HOSTILE["rejected_key"]: 1}))
+    settings = _settings(tmp)
+    summary = ingest([inputs], settings, progress=False, run_id="run-hostile")
+    assert summary.n_loaded == 1 and summary.n_rejected == 1 and summary.n_quarantined == 1
+    return settings, Path(summary.report_path)
+
+
+def test_report_escapes_everything_that_comes_from_inputs(hostile_run):
+    _, path = hostile_run
+    raw = path.read_text()
+    for markup in ("<script", "<img", "<!--", "<b>bold", "<i>Chat", "<svg onload", "</</span>"):
+        assert markup not in raw, f"{markup!r} reached the page as markup"
+    text = html.unescape(raw)
+    for value in (HOSTILE["description"], HOSTILE["data_source"], HOSTILE["origin"],
+                  HOSTILE["rejected_origin"], HOSTILE["rejected_key"], HOSTILE["activation_id"]):
+        assert value in text, f"{value!r} is not shown as text"
+    pills = re.findall(r'<span class="pill">(.*?)</span>', raw)
+    assert [html.unescape(p) for p in pills if html.unescape(p) in HOSTILE["tokens"]], "top tokens are not shown"
+    # A link to the feature on Neuronpedia keeps its path in one piece.
+    assert 'href="https://www.neuronpedia.org/gpt-oss-20b/res%22%3E%3Csvg%20onload%3Dwindow.__pwned%3D3%3E/3"' in raw
+
+
+@pytest.mark.browser
+def test_hostile_report_renders_whole_and_runs_nothing_in_chromium(browser, hostile_run):
+    _, path = hostile_run
+    for page in (path, path.parent / "index.html"):
+        browser.open(page.as_uri())
+        assert browser.dialogs == [], f"{page.name} opened a dialog: injected script ran"
+        assert browser.js("window.__pwned === undefined"), f"{page.name}: an injected handler ran"
+        assert browser.js("document.querySelectorAll('script, img, iframe, object, embed').length") == 0
+        assert browser.js("document.querySelector('footer') !== null"), f"{page.name} does not render to its end"
+    # the run page: every section rendered, the hostile text shown as text where it belongs
+    browser.open(path.as_uri())
+    ids = browser.js("[...document.querySelectorAll('section.card')].map(s => s.id)")
+    assert ids == ["summary", "rejected", "quarantine", "expectations", "activations", "trends"]
+    assert browser.js("[...document.querySelectorAll('svg')].every(s => !s.closest('p, td, span'))")
+    body = browser.js("document.body.innerText")
+    assert HOSTILE["description"] in body and HOSTILE["rejected_key"] in body and HOSTILE["origin"] in body
+    pills = browser.js("[...document.querySelectorAll('tr.top-feature .pill')].map(p => p.textContent)")
+    assert set(HOSTILE["tokens"]) & set(pills), pills
+    keys = browser.js("[...document.querySelectorAll('tr.quarantined')].map(r => r.dataset.key)")
+    assert set(keys) == {HOSTILE["activation_id"]}
+    assert browser.problems() == []
