@@ -16,6 +16,7 @@ from . import materialise
 from . import warehouse as warehouse_mod
 from .config import Settings
 from .ingest import RunSummary, ingest
+from .names import BadRunId, check_run_id
 from .receive import InputNotFound
 
 warehouse_option = click.option(
@@ -55,10 +56,21 @@ def print_summary(s: RunSummary) -> None:
         click.echo(f"  report   {s.report_path}")
 
 
+def _run_id(value: str | None, option: str) -> str | None:
+    """A run id names files (the report): refuse one that cannot, as a usage error."""
+    if value is None:
+        return None
+    try:
+        return check_run_id(value)
+    except BadRunId as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+
+
 @cli.command("ingest")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @warehouse_option
-@click.option("--run-id", default=None, help="Name the run (an Airflow task passes its data interval).")
+@click.option("--run-id", default=None, callback=lambda ctx, param, value: _run_id(value, "--run-id"),
+              help="Name the run (an Airflow task passes its data interval); letters, digits and . _ : + -.")
 @click.option("--reprocess", is_flag=True, help="Parse and load inputs again even if already landed.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress) -> None:
@@ -140,7 +152,8 @@ def status_cmd(warehouse, limit) -> None:
 
 @cli.command("report")
 @warehouse_option
-@click.option("--run", "run_id", default=None, help="The run to report (default: the latest).")
+@click.option("--run", "run_id", default=None, callback=lambda ctx, param, value: _run_id(value, "--run"),
+              help="The run to report (default: the latest).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Folder for the report and index.html (default: reports/ beside the warehouse).")
 def report_cmd(warehouse, run_id, out_dir) -> None:

@@ -28,6 +28,7 @@ from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
 from .load import insert_rows, passed, upsert_staged, utcnow
+from .names import check_run_id
 from .parse import Rejected, first_line, gunzip_file_size, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
@@ -384,11 +385,12 @@ def ingest(
     the activation statistics of each batch's features are refreshed in that batch's load
     transaction, so memory stays bounded and the stats always match what is committed. With ``report_after`` (the default) the
     run's HTML report is written last (``summary.report_path``); a report that cannot be written
-    is logged and does not fail the run.
+    is logged and does not fail the run. Raises ``names.BadRunId`` for a ``run_id`` that
+    cannot name the run's files (it names its report).
     """
     settings = settings or Settings.from_env()
     todo, total = _expand(inputs)
-    run_id = run_id or new_run_id()
+    run_id = check_run_id(run_id or new_run_id())  # it names the report: refuse "../x" before writing
     summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse))
     started = time.monotonic()
     conn = warehouse.connect(settings.warehouse)

@@ -28,6 +28,7 @@ import duckdb
 from . import validate
 from . import warehouse as warehouse_mod
 from .config import Settings
+from .names import BadRunId, check_run_id
 
 __all__ = ["VERDICT_RULES", "Verdict", "verdict", "write_report", "NoRuns", "RunNotFound"]
 
@@ -551,9 +552,12 @@ def write_report(
     Expectations Data Docs under ``<warehouse dir>/gx/`` and links them. Records the report's
     path in ``runs.report_path`` when the connection is writable. Returns the report's path.
 
-    Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report, and
-    ``warehouse.WarehouseMissing`` when the warehouse file does not exist.
+    Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report,
+    ``warehouse.WarehouseMissing`` when the warehouse file does not exist, and
+    ``names.BadRunId`` when the run id cannot name a file (it names the report).
     """
+    if run_id is not None:
+        check_run_id(run_id)
     if isinstance(conn_or_warehouse, duckdb.DuckDBPyConnection):
         conn, own = conn_or_warehouse, False
         wh = settings.warehouse if settings else _warehouse_path(conn)
@@ -574,7 +578,7 @@ def write_report(
 def _write(conn, run_id, out_dir: Path, settings: Settings, wh: Path | None) -> Path:
     started = time.monotonic()
     run = _run_row(conn, run_id)
-    run_id = run["run_id"]
+    run_id = check_run_id(run["run_id"])  # the latest run, too, may predate the check
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = _gather(conn, run)
     ctx["charts"] = _charts(ctx)
@@ -618,7 +622,11 @@ def _write_index(conn, out_dir: Path) -> Path:
                           ORDER BY started_at DESC LIMIT 1000""")
     for r in runs:
         r["verdict"] = verdict(r)
-        page = out_dir / f"{r['run_id']}.html"
+        try:
+            page = out_dir / f"{check_run_id(r['run_id'])}.html"
+        except BadRunId:  # a run named before run ids were checked has no page of its own here
+            r["href"] = None
+            continue
         r["href"] = page.name if page.exists() else None
     path = out_dir / "index.html"
     _atomic_write(path, _env().get_template("index.html.j2").render(
