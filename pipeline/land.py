@@ -66,21 +66,26 @@ def land(item: Input, landing_dir: Path, max_bytes: int) -> Landed:
     if size <= max_bytes:
         data = item.path.read_bytes()
         return land(Input(item.origin, item.path, data), landing_dir, max_bytes)
-    # Too large to parse: hash while streaming into a temp file, then move it into place.
+    # Too large to parse: hash while streaming into a temp file, then move it into place. Any
+    # error on the way (a full disk, an unreadable source, Ctrl-C) removes the partial copy.
     landing_dir.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=landing_dir, prefix=".landing-")
-    with os.fdopen(fd, "wb") as out, item.path.open("rb") as src:
-        while chunk := src.read(_CHUNK):
-            h.update(chunk)
-            out.write(chunk)
-    sha = h.hexdigest()
-    dest = landed_path(landing_dir, sha)
-    new = not dest.exists()
-    if new:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, dest)
-    else:
-        Path(tmp).unlink()
+    try:
+        with os.fdopen(fd, "wb") as out, item.path.open("rb") as src:
+            while chunk := src.read(_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+        sha = h.hexdigest()
+        dest = landed_path(landing_dir, sha)
+        new = not dest.exists()
+        if new:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, dest)
+        else:
+            Path(tmp).unlink()
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return Landed(item, sha, dest, size, None, new)

@@ -71,3 +71,50 @@ def test_same_bytes_under_two_names_land_once(tmp_path, settings):
     assert query(settings.warehouse, "SELECT outcome FROM run_inputs ORDER BY origin") == [("loaded",), ("duplicate",)]
     landed = [p for p in settings.landing_dir.rglob("*") if p.is_file()]
     assert len(landed) == 1 and landed[0].read_bytes() == data
+
+
+# --- an input over the parse limit is streamed; an error mid-stream leaves nothing behind -------
+
+_FILL_THE_DISK = r"""
+import resource, sys
+from pathlib import Path
+from pipeline.land import land
+from pipeline.receive import Input
+# A file-size limit makes the landing copy fail part-way, as a full disk does (EFBIG; Python
+# ignores SIGXFSZ, so the write raises instead of killing the process).
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+try:
+    land(Input(origin="big", path=Path(sys.argv[1])), Path(sys.argv[2]), max_bytes=1024)
+except OSError as exc:
+    print("raised", type(exc).__name__, exc.errno)
+else:
+    print("landed")
+"""
+
+
+def _leftovers(landing):
+    return sorted(p.name for p in landing.rglob(".landing-*"))
+
+
+def test_streaming_land_cleans_up_when_the_disk_fills(tmp_path):
+    import errno
+    import subprocess
+    import sys
+
+    big = write(tmp_path / "big.json", b"x" * (3 << 20))  # over the 1 KiB parse limit: streamed
+    landing = tmp_path / "landing"
+    proc = subprocess.run([sys.executable, "-c", _FILL_THE_DISK, str(big), str(landing)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["raised", "OSError", str(errno.EFBIG)], proc.stdout + proc.stderr
+    assert landing.is_dir()  # the copy had started
+    assert _leftovers(landing) == [], "a partial temporary file was left in the landing area"
+
+
+def test_streaming_land_cleans_up_when_the_source_cannot_be_read(tmp_path):
+    unreadable = tmp_path / "a-folder.json"  # stat() works, open() for reading does not
+    unreadable.mkdir()
+    (unreadable / "pad").write_bytes(b"x" * 8192)
+    landing = tmp_path / "landing"
+    with pytest.raises(IsADirectoryError):
+        land(Input(origin="dir", path=unreadable), landing, max_bytes=1)
+    assert _leftovers(landing) == []
