@@ -41,16 +41,45 @@ SOURCE_STATS = Asset(name="featurehouse.source_activation_stats",
                      uri="duckdb://featurehouse/source_activation_stats")
 
 
+DEFAULT_SCHEDULE = "0 3 * * *"
+PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+
+
 def _schedule() -> str:
-    """The cron, read with the stdlib only: this file is parsed every few seconds, so it must not
-    import the pipeline (DuckDB, Arrow). ``pipeline.plan.load_plan`` applies the same rule."""
-    if os.environ.get("FEATUREHOUSE_SCHEDULE"):
-        return os.environ["FEATUREHOUSE_SCHEDULE"]
-    path = Path(os.environ.get("FEATUREHOUSE_CONFIG") or Path(__file__).resolve().parent.parent / "featurehouse.toml")
+    """The cron, read with the stdlib and croniter only: this file is parsed every few seconds, so
+    it must not import the pipeline (DuckDB, Arrow). ``pipeline.plan.load_plan`` reads it the
+    same way and ``pipeline.plan.cron_problem`` judges it by the same rule.
+
+    A cron that cannot be read falls back to the default: the DAG still imports (and stays in
+    the UI), and its ``plan`` task fails every night with the real error, naming the file and
+    the entry, until the file is fixed."""
+    cron = os.environ.get("FEATUREHOUSE_SCHEDULE")
+    if not cron:
+        path = Path(os.environ.get("FEATUREHOUSE_CONFIG") or Path(__file__).resolve().parent.parent / "featurehouse.toml")
+        try:
+            cron = tomllib.loads(path.read_text()).get("schedule", {}).get("cron", DEFAULT_SCHEDULE)
+        except (OSError, tomllib.TOMLDecodeError, AttributeError):
+            return DEFAULT_SCHEDULE
+    return cron if _runs(cron) else DEFAULT_SCHEDULE
+
+
+def _runs(cron: object) -> bool:
+    """A schedule Airflow can run: one of its presets, or five cron fields that fire."""
+    if not isinstance(cron, str):
+        return False
+    if cron in PRESETS:
+        return True
+    if len(cron.split()) != 5:
+        return False
+    from datetime import datetime
+
+    from croniter import croniter
+
     try:
-        return tomllib.loads(path.read_text()).get("schedule", {}).get("cron", "0 3 * * *")
-    except (OSError, tomllib.TOMLDecodeError):
-        return "0 3 * * *"  # the plan task then fails with the real error, naming the file
+        croniter(cron).get_next(datetime)
+    except ValueError:
+        return False
+    return True
 
 
 def _key(context: dict):

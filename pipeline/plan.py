@@ -36,6 +36,7 @@ else:  # pragma: no cover
 
 __all__ = [
     "ConfigError",
+    "cron_problem",
     "SourcePlan",
     "Plan",
     "DEFAULT_CONFIG",
@@ -54,6 +55,33 @@ DEFAULT_MAX_MAP_LENGTH = 1024
 
 class ConfigError(ValueError):
     "featurehouse.toml is missing, unreadable, or names something it cannot mean."
+
+
+#: Schedules Airflow takes by name (``airflow.utils.dates.cron_presets``, ``@once``, ``@continuous``).
+AIRFLOW_PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
+
+
+def cron_problem(cron: Any) -> str | None:
+    """Why ``cron`` is not a schedule Airflow can run (in words), or None when it is.
+
+    A five-field cron expression that croniter (what Airflow's cron timetables use) reads and
+    that fires at least once, or one of Airflow's presets. dags/featurehouse_nightly.py applies
+    the same rule with the stdlib and croniter only, to fall back to the default schedule.
+    """
+    if not isinstance(cron, str):
+        return "must be a string"
+    if cron in AIRFLOW_PRESETS:
+        return None
+    if len(cron.split()) != 5:
+        return ("is not a cron expression: it needs five fields (minute hour day-of-month month "
+                f"day-of-week), or one of {', '.join(AIRFLOW_PRESETS)}")
+    from croniter import croniter  # Airflow's own cron reader; a small pure-Python package
+
+    try:
+        croniter(cron).get_next(datetime)
+    except ValueError as exc:  # CroniterBadCronError, CroniterBadDateError (it never fires), ...
+        return f"is not a valid cron expression ({exc})"
+    return None
 
 
 @dataclass(frozen=True)
@@ -219,8 +247,9 @@ def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Envi
         return p if p.is_absolute() else here / p
 
     cron = env.get("FEATUREHOUSE_SCHEDULE") or schedule.get("cron", DEFAULT_SCHEDULE)
-    if not isinstance(cron, str) or len(cron.split()) != 5 and not cron.startswith("@"):
-        raise ConfigError(f"[schedule] cron must be a five-field cron expression, got {cron!r}")
+    if (problem := cron_problem(cron)) is not None:
+        where = "FEATUREHOUSE_SCHEDULE" if env.get("FEATUREHOUSE_SCHEDULE") else "[schedule] cron"
+        raise ConfigError(f"{where} {cron!r} {problem}")
     settle = env.get("FEATUREHOUSE_INBOX_SETTLE_SECONDS")
     sources = raw.get("sources", [])
     if not isinstance(sources, list):

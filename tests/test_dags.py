@@ -125,3 +125,31 @@ def test_inbox_shape(bag):
     dag = bag["dags"]["featurehouse_inbox"]
     assert list(dag["tasks"]) == ["drain"]
     assert dag["summary"] == "*/10 * * * *"
+
+
+_PLAN_TASK = r"""
+import json, sys
+import pendulum
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=sys.argv[1], known_pools={"default_pool", "neuronpedia_api", "warehouse_writer"})
+dag = bag.dags.get("featurehouse_nightly")
+out = {"import_errors": {k: str(v) for k, v in bag.import_errors.items()},
+       "summary": getattr(dag.timetable, "expression", None) if dag else None, "plan_error": None}
+if dag:
+    try:  # the plan task's own code, as a worker runs it for a scheduled night
+        dag.get_task("plan").python_callable(data_interval_start=pendulum.datetime(2026, 11, 28, 3, tz="UTC"))
+    except Exception as exc:
+        out["plan_error"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+print("JSON:" + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("cron", ["61 3 * * *", "nightly", "0 3 30 2 *"])
+def test_a_bad_cron_keeps_the_dag_and_fails_its_plan_task_naming_the_entry(tmp_path, cron):
+    cfg = tmp_path / "fh.toml"
+    cfg.write_text(f'[schedule]\ncron = "{cron}"\n')
+    got = _run(_PLAN_TASK, [str(DAGS)], tmp_path, FEATUREHOUSE_CONFIG=str(cfg))
+    assert got["import_errors"] == {}, "a bad cron must not make the DAG file fail to import"
+    assert got["summary"] == "0 3 * * *"  # the default, so the mistake surfaces every night
+    assert got["plan_error"] and got["plan_error"].startswith("pipeline.plan.ConfigError: ")
+    assert str(cfg) in got["plan_error"] and f"[schedule] cron '{cron}'" in got["plan_error"]

@@ -96,6 +96,11 @@ def test_env_overrides_the_file(tmp_path):
         ('[[sources]]\nmodel = "m"\nsource = "s"\nindex = ["0:3"]\n', "unknown key"),
         ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = [1]\n[[sources]]\nmodel = "m"\nsource = "s"\nindices = [2]\n', "listed twice"),
         ('[schedule]\ncron = "nightly"\n', "cron"),
+        ('[schedule]\ncron = "61 3 * * *"\n', r"\[schedule\] cron '61 3 \* \* \*' is not a valid cron expression"),
+        ('[schedule]\ncron = "0 3 30 2 *"\n', r"\[schedule\] cron '0 3 30 2 \*' is not a valid cron expression"),
+        ('[schedule]\ncron = "0 25 * * *"\n', r"\[schedule\] cron '0 25"),
+        ('[schedule]\ncron = "@nightly"\n', r"\[schedule\] cron '@nightly' is not a cron expression"),
+        ('[schedule]\ncron = 3\n', r"\[schedule\] cron 3 must be a string"),
         ('[fetch]\nchunk_size = 0\n', "chunk_size"),
         ('[fetsh]\nchunk_size = 10\n', "unknown section"),
         ('[[sources]\n', "not valid TOML"),
@@ -230,3 +235,15 @@ def test_parallel_fetch_tasks_share_one_nightly_rate_budget(tmp_path):
     assert {c["requests_per_hour"] for c in default} == {5000}  # 4 fetch tasks at once
     two = chunks(load_plan(tmp_path / "fh.toml", env={"FEATUREHOUSE_API_SLOTS": "2"}), "w")
     assert {c["requests_per_hour"] for c in two} == {10000}
+
+
+@pytest.mark.parametrize("cron", ["0 3 * * *", "*/5 * * * *", "30 2 * * mon-fri", "@daily", "@hourly", "@once"])
+def test_crons_airflow_runs_are_accepted(tmp_path, cron):
+    assert load_plan(write(tmp_path, f'[schedule]\ncron = "{cron}"\n'), env={}).schedule == cron
+
+
+def test_a_bad_schedule_from_the_environment_is_named_as_such(tmp_path):
+    path = write(tmp_path, "")
+    with pytest.raises(ConfigError, match=r"FEATUREHOUSE_SCHEDULE '0 3 \* \* 8' is not a valid cron") as exc:
+        load_plan(path, env={"FEATUREHOUSE_SCHEDULE": "0 3 * * 8"})
+    assert str(path) in str(exc.value)
