@@ -131,7 +131,9 @@ class _Resolver:
             return s[1:]
         if c == "D":
             try:
-                return datetime.fromisoformat(s[2:].replace("Z", "+00:00")).astimezone(timezone.utc)
+                dt = datetime.fromisoformat(s[2:].replace("Z", "+00:00"))
+                # A date without a zone is UTC (never the machine's zone, as astimezone would read it).
+                return dt.astimezone(timezone.utc) if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
             except ValueError as exc:
                 raise FlightError(f"date {s[2:]!r} is not an ISO timestamp") from exc
         if s == "$undefined":

@@ -76,8 +76,21 @@ _PAGE_COLUMNS: dict[str, str] = {
 }
 
 
+#: A time of day followed by a UTC offset or ``Z`` (``04:30:34.656+02:00``, ``04:30Z``, ``10:00-05``).
+_HAS_OFFSET = r"'[0-9]:[0-9]{2}(:[0-9]{2}([.,][0-9]+)?)?\s*([Zz]|[+-][0-9]{2}(:?[0-9]{2})?)$'"
+
+
 def _ts(expr: str) -> str:
-    return f"(TRY_CAST({expr} AS TIMESTAMPTZ) AT TIME ZONE 'UTC')"
+    """SQL reading an ISO timestamp string as a UTC ``TIMESTAMP``, whatever the session's TimeZone.
+
+    With an offset (or ``Z``) the instant is converted to UTC; without one the time is UTC
+    already, as the Python road (``parse._ts``) reads it. A cast to TIMESTAMPTZ alone would
+    read a zoneless time in the session's (the machine's) zone, and a cast to TIMESTAMP alone
+    would drop an offset.
+    """
+    return (f"(CASE WHEN regexp_matches({expr}, {_HAS_OFFSET}) "
+            f"THEN TRY_CAST({expr} AS TIMESTAMPTZ) AT TIME ZONE 'UTC' "
+            f"ELSE TRY_CAST({expr} AS TIMESTAMP) END)")
 
 
 def _drop_keys(expr: str, keys: list[str]) -> str:
