@@ -7,12 +7,17 @@ DuckDB warehouse, once a night (cron from `[schedule] cron`, default 03:00 UTC).
 1. **plan** reads `featurehouse.toml` and splits it into fetch chunks (fewer than
    `[core] max_map_length`); each chunk is a small dict naming a source and an index range.
 2. **fetch** is mapped over the chunks in pool `neuronpedia_api`: each lands page bodies in the
-   landing area and never touches DuckDB, so chunks run side by side.
+   landing area and never touches DuckDB, so chunks run side by side. A chunk whose URLs all
+   failed, or more than `[fetch] max_failed_fraction` (default 0.5) of them, fails its task,
+   which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed.
 3. **ingest** parses, validates and loads what the run's window landed, in pool
    `warehouse_writer` (one slot: DuckDB has one writer). It runs even when some fetch chunks
    failed, so what did land is loaded tonight; the failures are in `fetch_failures`.
 4. **materialise** refreshes the activation statistics and publishes them as Assets.
-5. **report** writes the run's data-quality report.
+5. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
+   wholly or mostly).
+6. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
+   failed, which marks the run failed once ingest, materialise and report have run.
 
 Every task is keyed by the run's data interval (window `featurehouse_nightly-<start>`, warehouse
 run id `airflow-featurehouse_nightly-<start>`), so a retry or a re-run resumes instead of
@@ -45,6 +50,27 @@ DEFAULT_SCHEDULE = "0 3 * * *"
 PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
 
 
+def _config() -> dict:
+    """featurehouse.toml as a dict (empty when it cannot be read: the plan task then fails with
+    the real error, naming the file)."""
+    path = Path(os.environ.get("FEATUREHOUSE_CONFIG") or Path(__file__).resolve().parent.parent / "featurehouse.toml")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def _fetch_setting(key: str, default: float, kind: type) -> float:
+    """``[fetch] task_retries`` / ``task_retry_delay`` for the fetch task (plan.py checks them too;
+    a value that is not a number ≥ 0 falls back to the default here and fails the plan task)."""
+    fetch = _config().get("fetch")
+    value = fetch.get(key, default) if isinstance(fetch, dict) else default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (kind is int and value != int(value)):
+        return default
+    return kind(value)
+
+
 def _schedule() -> str:
     """The cron, read with the stdlib and croniter only: this file is parsed every few seconds, so
     it must not import the pipeline (DuckDB, Arrow). ``pipeline.plan.load_plan`` reads it the
@@ -55,11 +81,8 @@ def _schedule() -> str:
     the entry, until the file is fixed."""
     cron = os.environ.get("FEATUREHOUSE_SCHEDULE")
     if not cron:
-        path = Path(os.environ.get("FEATUREHOUSE_CONFIG") or Path(__file__).resolve().parent.parent / "featurehouse.toml")
-        try:
-            cron = tomllib.loads(path.read_text()).get("schedule", {}).get("cron", DEFAULT_SCHEDULE)
-        except (OSError, tomllib.TOMLDecodeError, AttributeError):
-            return DEFAULT_SCHEDULE
+        schedule = _config().get("schedule")
+        cron = schedule.get("cron", DEFAULT_SCHEDULE) if isinstance(schedule, dict) else DEFAULT_SCHEDULE
     return cron if _runs(cron) else DEFAULT_SCHEDULE
 
 
@@ -115,7 +138,11 @@ def featurehouse_nightly():
 
         return chunks(load_plan(), window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
 
-    @task(pool="neuronpedia_api", retries=4, max_active_tis_per_dagrun=4)
+    # A chunk whose URLs all (or mostly) failed raises FetchChunkFailed: the task fails, is
+    # retried ([fetch] task_retries, task_retry_delay), and a retry asks only for what is missing.
+    @task(pool="neuronpedia_api", retries=_fetch_setting("task_retries", 4, int),
+          retry_delay=timedelta(seconds=_fetch_setting("task_retry_delay", 60.0, float)),
+          max_active_tis_per_dagrun=4)
     def fetch(chunk: dict) -> dict:
         from pipeline.config import Settings
         from pipeline.plan import fetch_chunk, load_plan
@@ -152,8 +179,15 @@ def featurehouse_nightly():
         run_id = run_id_for(_key(context), DAG_ID)
         return {"run_id": run_id, "report_path": str(write_report(load_plan().warehouse, run_id))}
 
+    # Airflow judges a run by its last tasks: this one (all_success) is upstream_failed when a
+    # fetch chunk failed, so such a night is a failed run, after what landed was loaded and reported.
+    @task
+    def all_fetched() -> None:
+        return None
+
     fetched = fetch.expand(chunk=plan())
-    fetched >> ingest() >> materialise() >> report()
+    reported = fetched >> ingest() >> materialise() >> report()
+    [fetched, reported] >> all_fetched()
 
 
 featurehouse_nightly()

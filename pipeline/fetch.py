@@ -748,7 +748,8 @@ def ingest_fetched(
 
     Landed bodies go through :func:`pipeline.ingest.ingest` (bytes already loaded count as
     duplicates, so running this twice loads nothing twice). Every URL whose latest outcome in
-    this window is a failure or a 404 becomes a row of ``fetch_failures`` for this run.
+    this window is a failure or a 404 becomes a row of ``fetch_failures`` for this run; the
+    run's report (``report_after``) is written after that, so it lists them.
     """
     settings = settings or Settings.from_env()
     entries = read_manifest(manifest_path(window, settings))
@@ -764,8 +765,8 @@ def ingest_fetched(
             e = e | {"status": "failed", "last_error": f"landed file {path} is missing; fetch again"}
         if e.get("status") in ("failed", "not_found"):
             failures.append(e)
-    summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress,
-                     report_after=report_after)
+    # The report is written after fetch_failures holds this run's rows: it lists them and judges by them.
+    summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False)
     now = utcnow()
     with warehouse.connect(settings.warehouse) as conn:
         conn.execute("BEGIN TRANSACTION")
@@ -778,4 +779,11 @@ def ingest_fetched(
                   now] for e in failures],
             )
         conn.execute("COMMIT")
+    if report_after:
+        try:  # imported here: charts pull in Altair and vl-convert, only when a report is wanted
+            from . import report
+
+            summary.report_path = str(report.write_report(settings.warehouse, run_id, settings=settings))
+        except Exception:  # as in ingest: a report that cannot be written does not fail the run
+            log.exception("could not write the report for run %s", run_id)
     return summary

@@ -15,6 +15,7 @@ deployments point the same file at another server or folder:
 ``FEATUREHOUSE_INBOX_SETTLE_SECONDS``  ``[inbox] settle_seconds``
 ``NEURONPEDIA_BASE_URL``           ``[neuronpedia] base_url``
 ``NEURONPEDIA_EXPORTS_URL``        ``[neuronpedia] exports_url``
+``FEATUREHOUSE_MAX_FAILED_FRACTION``  ``[fetch] max_failed_fraction``
 =================================  ====================================
 """
 
@@ -45,6 +46,8 @@ __all__ = [
     "window_for",
     "run_id_for",
     "fetch_chunk",
+    "FetchChunkFailed",
+    "too_many_failed",
 ]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "featurehouse.toml"
@@ -55,6 +58,10 @@ DEFAULT_MAX_MAP_LENGTH = 1024
 
 class ConfigError(ValueError):
     "featurehouse.toml is missing, unreadable, or names something it cannot mean."
+
+
+class FetchChunkFailed(RuntimeError):
+    "All, or more than [fetch] max_failed_fraction, of a fetch chunk's URLs failed: the task fails (and is retried)."
 
 
 #: Schedules Airflow takes by name (``airflow.utils.dates.cron_presets``, ``@once``, ``@continuous``).
@@ -134,6 +141,17 @@ class Plan:
     parallel_fetches: int = 4
     """Fetch tasks that may run at once: the DAG's ``max_active_tis_per_dagrun`` and at most the
     ``neuronpedia_api`` pool's slots (``$FEATUREHOUSE_API_SLOTS``)."""
+    max_failed_fraction: float = 0.5
+    """A fetch chunk whose failed URLs are more than this share of those it asked for (or all of
+    them, whatever this is) fails its task, which Airflow retries; what landed is still ingested."""
+    max_attempts: int = 6
+    """Attempts per URL within one fetch task before the URL counts as failed."""
+    backoff: float = 1.0
+    """First wait between a URL's attempts, in seconds (doubling, with jitter, up to a minute)."""
+    task_retries: int = 4
+    """Airflow retries of a failed fetch task (read by the nightly DAG file when it is parsed)."""
+    task_retry_delay: float = 60.0
+    """Seconds before the first retry of a failed fetch task, doubling after each."""
     sources: tuple[SourcePlan, ...] = field(default_factory=tuple)
 
 
@@ -210,6 +228,25 @@ def _positive(value: Any, name: str, kind: type = int) -> Any:
     return kind(value)
 
 
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a whole number ≥ 0, got {value!r}")
+    return value
+
+
+def _fraction(from_env: str | None, from_file: Any) -> float:
+    name = "FEATUREHOUSE_MAX_FAILED_FRACTION" if from_env else "[fetch] max_failed_fraction"
+    value: Any = from_file
+    if from_env:
+        try:
+            value = float(from_env)
+        except ValueError:
+            value = from_env
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{name} must be a number from 0 to 1 (a share of a chunk's URLs), got {value!r}")
+    return float(value)
+
+
 def load_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Plan:
     """Read ``featurehouse.toml`` (``path``, else ``$FEATUREHOUSE_CONFIG``, else the repo's) into a Plan.
 
@@ -271,6 +308,13 @@ def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Envi
         requests_per_hour=_positive(fetch.get("requests_per_hour", Plan.requests_per_hour), "[fetch] requests_per_hour"),
         parallel_fetches=_positive(int(env.get("FEATUREHOUSE_API_SLOTS") or Plan.parallel_fetches),
                                    "FEATUREHOUSE_API_SLOTS"),
+        max_failed_fraction=_fraction(env.get("FEATUREHOUSE_MAX_FAILED_FRACTION"),
+                                      fetch.get("max_failed_fraction", Plan.max_failed_fraction)),
+        max_attempts=_positive(fetch.get("max_attempts", Plan.max_attempts), "[fetch] max_attempts"),
+        backoff=_positive(fetch.get("backoff", Plan.backoff), "[fetch] backoff", float),
+        task_retries=_count(fetch.get("task_retries", Plan.task_retries), "[fetch] task_retries"),
+        task_retry_delay=_positive(fetch.get("task_retry_delay", Plan.task_retry_delay),
+                                   "[fetch] task_retry_delay", float),
         sources=tuple(_source(e, i) for i, e in enumerate(sources)),
     )
     seen: set[tuple[str, str]] = set()
@@ -326,7 +370,9 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
     # that together they stay under it.
     per_task = max(1, plan.requests_per_hour // max(1, plan.parallel_fetches))
     common = {"window": window, "base_url": plan.base_url, "exports_url": plan.exports_url,
-              "concurrency": plan.concurrency, "requests_per_hour": per_task}
+              "concurrency": plan.concurrency, "requests_per_hour": per_task,
+              "max_attempts": plan.max_attempts, "backoff": plan.backoff,
+              "max_failed_fraction": plan.max_failed_fraction}
     out: list[dict[str, Any]] = []
     for s in plan.sources:
         base = {"model": s.model, "source": s.source, "via": s.via}
@@ -341,15 +387,32 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
     return out
 
 
+def too_many_failed(n_failed: int, n_requested: int, max_fraction: float) -> bool:
+    """True when every URL asked for failed, or more than ``max_fraction`` of them did.
+
+    A listing that could not be read counts as a failed request of its own (nothing else was
+    asked for); a feature Neuronpedia does not have (404) is not a failure.
+    """
+    asked = max(n_requested, n_failed)
+    return n_failed > 0 and (n_failed >= asked or n_failed / asked > max_fraction)
+
+
 def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None) -> dict[str, Any]:
     """Fetch one chunk (a dict from :func:`chunks`) into the landing area; return what happened.
 
     Lands bodies and writes the window's manifest only: it never writes the warehouse, so that
     many chunks can run at once. ``api_key`` defaults to ``$NEURONPEDIA_API_KEY`` inside fetch.
+
+    Raises :class:`FetchChunkFailed` when every URL it asked for failed, or more than the chunk's
+    ``max_failed_fraction`` (``[fetch] max_failed_fraction``, default 0.5) of them: the Airflow
+    task then fails and is retried (a retry asks only for what did not land). What did land stays
+    in the window's manifest for the ingest task, which records the failures in ``fetch_failures``.
     """
     from . import fetch
 
-    common = {"settings": settings, "window": chunk["window"], "progress": False}
+    common = {"settings": settings, "window": chunk["window"], "progress": False,
+              "max_attempts": chunk.get("max_attempts", Plan.max_attempts),
+              "backoff": chunk.get("backoff", Plan.backoff)}
     if chunk["via"] == "exports":
         batches = range(*chunk["batches"]) if chunk.get("batches") else None
         result = fetch.fetch_exports(chunk["model"], chunk["source"], batches=batches,
@@ -360,4 +423,17 @@ def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None
                                       api_key=api_key or os.environ.get("NEURONPEDIA_API_KEY"),
                                       concurrency=chunk["concurrency"],
                                       requests_per_hour=chunk["requests_per_hour"], **kwargs, **common)
+    max_fraction = chunk.get("max_failed_fraction", Plan.max_failed_fraction)
+    if too_many_failed(result.n_failed, result.n_requested, max_fraction):
+        what = (f"exports batches {chunk.get('batches') or 'all'}" if chunk["via"] == "exports"
+                else "all features" if chunk.get("all") else f"features {chunk['start']}:{chunk['stop']}")
+        first = result.failures[0] if result.failures else {}
+        status = f"HTTP {first['http_status']}, " if first.get("http_status") else ""
+        raise FetchChunkFailed(
+            f"{chunk['model']}/{chunk['source']} {what} (window {result.window}): "
+            f"{result.n_failed} of {max(result.n_requested, result.n_failed)} URL(s) failed, more than "
+            f"max_failed_fraction = {max_fraction:g} allows; first {first.get('url')} "
+            f"({status}{first.get('attempts')} attempts): {first.get('last_error')}. What landed is kept "
+            "for the ingest; a retry asks only for the rest"
+        )
     return result.as_dict()

@@ -58,7 +58,10 @@ VERDICT_RULES: tuple[tuple[str, str], ...] = (
     ("FAIL", "the run did not finish successfully (status is not 'succeeded')"),
     ("FAIL", "the run received new inputs but loaded none of them"),
     ("FAIL", "more than half of the new inputs were rejected"),
-    ("WARN", "an input was rejected, a record was quarantined, or an expectation failed"),
+    ("FAIL", "its fetch failed wholly or mostly: every URL it fetched, or more than half of them, "
+             "failed after its retries (fetch_failures)"),
+    ("WARN", "an input was rejected, a record was quarantined, an expectation failed, "
+             "or a URL could not be fetched"),
     ("PASS", "none of the above: everything new loaded and every expectation held"),
 )
 
@@ -77,7 +80,8 @@ class Verdict:
 def verdict(run: dict[str, Any]) -> Verdict:
     """Judge a run (a ``runs`` row as a dict) by ``VERDICT_RULES``."""
     n = {k: int(run.get(k) or 0) for k in
-         ("n_received", "n_duplicates", "n_loaded", "n_rejected", "n_quarantined", "n_expectations_failed")}
+         ("n_received", "n_duplicates", "n_loaded", "n_rejected", "n_quarantined", "n_expectations_failed",
+          "n_fetch_failed")}
     new = n["n_received"] - n["n_duplicates"]
     if run.get("status") != "succeeded":
         err = f": {run['error']}" if run.get("error") else ""
@@ -87,15 +91,23 @@ def verdict(run: dict[str, Any]) -> Verdict:
     if new > 0 and n["n_rejected"] / new > 0.5:
         return Verdict("FAIL", 2, f"{n['n_rejected']:,} of {new:,} new inputs rejected "
                                   f"({100 * n['n_rejected'] / new:.0f}% > 50%)")
+    # Each URL that landed is one input received; each that failed is a row of fetch_failures
+    # (a 404, "not found", is neither: Neuronpedia answered).
+    fetched = n["n_fetch_failed"] + n["n_received"]
+    if n["n_fetch_failed"] and n["n_fetch_failed"] / fetched > 0.5:
+        share = ("all" if n["n_fetch_failed"] == fetched else f"{100 * n['n_fetch_failed'] / fetched:.0f}%")
+        return Verdict("FAIL", 3, f"{n['n_fetch_failed']:,} of {fetched:,} URL(s) failed to fetch ({share}), "
+                                  "see Fetch failures")
     problems = [f"{n[k]:,} {what}" for k, what in (
         ("n_rejected", "input(s) rejected"), ("n_quarantined", "record(s) quarantined"),
-        ("n_expectations_failed", "expectation result(s) failed")) if n[k]]
+        ("n_expectations_failed", "expectation result(s) failed"),
+        ("n_fetch_failed", "URL(s) failed to fetch")) if n[k]]
     if problems:
-        return Verdict("WARN", 3, ", ".join(problems))
+        return Verdict("WARN", 4, ", ".join(problems))
     if new == 0:
-        return Verdict("PASS", 4, "nothing new to load: every input was already landed" if n["n_received"]
+        return Verdict("PASS", 5, "nothing new to load: every input was already landed" if n["n_received"]
                        else "the run received no inputs")
-    return Verdict("PASS", 4, f"{n['n_loaded']:,} of {new:,} new inputs loaded, no record refused")
+    return Verdict("PASS", 5, f"{n['n_loaded']:,} of {new:,} new inputs loaded, no record refused")
 
 
 # --- reading the warehouse ----------------------------------------------------------------------
@@ -179,6 +191,11 @@ def _gather(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, A
         groups.setdefault(_reason_kind(r["reason"]), []).append(r)
     ctx["rejected_groups"] = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     ctx["n_rejected_listed"] = len(rejected)
+
+    ctx["fetch_failures"] = _rows(conn, """
+        SELECT url, feature_key, status, attempts, last_error, "window"
+        FROM fetch_failures WHERE run_id = ?
+        ORDER BY status, url LIMIT ?""", [run_id, _MAX_ROWS_PER_GROUP])
 
     exp = _rows(conn, """
         SELECT suite, expectation, any_value(expectation_type) AS expectation_type,
@@ -520,8 +537,14 @@ def _warehouse_path(conn: duckdb.DuckDBPyConnection) -> Path | None:
     return Path(row[0]) if row and row[0] else None
 
 
+#: Columns added to a ``runs`` row for the report: its duration and its failed fetches.
+_RUN_EXTRA = """epoch(finished_at - started_at) AS seconds,
+    (SELECT count(*) FROM fetch_failures f WHERE f.run_id = runs.run_id AND f.status = 'failed') AS n_fetch_failed,
+    (SELECT count(*) FROM fetch_failures f WHERE f.run_id = runs.run_id AND f.status = 'not_found') AS n_fetch_not_found"""
+
+
 def _run_row(conn: duckdb.DuckDBPyConnection, run_id: str | None) -> dict[str, Any]:
-    sql = "SELECT *, epoch(finished_at - started_at) AS seconds FROM runs "
+    sql = f"SELECT *, {_RUN_EXTRA} FROM runs "
     rows = _rows(conn, sql + ("WHERE run_id = ?" if run_id else "ORDER BY started_at DESC LIMIT 1"),
                  [run_id] if run_id else None)
     if rows:
@@ -618,8 +641,8 @@ def _data_docs(wh: Path | None, run_id: str, out_dir: Path) -> dict[str, Any] | 
 
 
 def _write_index(conn, out_dir: Path) -> Path:
-    runs = _rows(conn, """SELECT *, epoch(finished_at - started_at) AS seconds FROM runs
-                          ORDER BY started_at DESC LIMIT 1000""")
+    runs = _rows(conn, f"""SELECT *, {_RUN_EXTRA} FROM runs
+                           ORDER BY started_at DESC LIMIT 1000""")
     for r in runs:
         r["verdict"] = verdict(r)
         try:

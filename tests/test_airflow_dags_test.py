@@ -4,7 +4,9 @@ nightly one fetching from a fake Neuronpedia server, the inbox one draining the 
 
 from __future__ import annotations
 
+import json
 import shutil
+import socket
 from datetime import datetime
 from pathlib import Path
 
@@ -110,3 +112,54 @@ def test_inbox_drains_the_seeds(home):
                           "WHERE run_id LIKE 'airflow-featurehouse_inbox-%'"))
     assert statuses == {"000_e9e35889d0228029.txt": "loaded", "002_cdcf7f83dd4b10f8.txt": "rejected"}
     assert q(wh, "SELECT count(*) FROM features WHERE feature_index = 45698")[0][0] == 1
+
+
+CLOSED_CONFIG = """
+[fetch]
+chunk_size = 10
+max_attempts = 1
+backoff = 0.01
+task_retries = 1
+task_retry_delay = 1
+[[sources]]
+model = "gpt-oss-20b"
+source = "11-resid-post-aa"
+indices = ["0:3"]
+"""
+
+
+def test_nightly_against_a_closed_port_fails_its_fetch_but_ingests_and_reports(home, tmp_path):
+    """Every fetch failed: the fetch task fails (after its retry), ingest and report still run,
+    and the run's report says FAIL; a night like this is never all green."""
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "featurehouse.toml").write_text(CLOSED_CONFIG)
+    wh = tmp_path / "warehouse" / "featurehouse.duckdb"
+    env = home | {"FEATUREHOUSE_CONFIG": str(tmp_path / "featurehouse.toml"), "NEURONPEDIA_BASE_URL": closed,
+                  "FEATUREHOUSE_WAREHOUSE": str(wh)}
+    logical_date = "2026-11-29T03:00:00+00:00"
+    out = airflow(["dags", "test", "featurehouse_nightly", logical_date], env, check=False)
+    log = out.stdout + out.stderr
+    assert "FetchChunkFailed" in log and "3 of 3 URL(s) failed" in log, log[-3000:]
+
+    runs = _json(airflow(["dags", "list-runs", "featurehouse_nightly", "-o", "json"], env))
+    (run,) = [r for r in runs if r["logical_date"].startswith("2026-11-29")]
+    states = _json(airflow(["tasks", "states-for-dag-run", "featurehouse_nightly", run["run_id"], "-o", "json"], env))
+    by_task = {s["task_id"]: s["state"] for s in states}
+    assert by_task == {"plan": "success", "fetch": "failed", "ingest": "success", "materialise": "success",
+                       "report": "success", "all_fetched": "upstream_failed"}
+    assert log.count("3 of 3 URL(s) failed") >= 2, "the fetch task was not retried"
+    assert run["state"] == "failed"
+
+    run_id = run_id_for(datetime.fromisoformat(logical_date))
+    assert q(wh, "SELECT status, n_received FROM runs WHERE run_id = ?", [run_id]) == [("succeeded", 0)]
+    assert q(wh, "SELECT count(*), min(status) FROM fetch_failures WHERE run_id = ?", [run_id]) == [(3, "failed")]
+    (report_path,) = q(wh, "SELECT report_path FROM runs WHERE run_id = ?", [run_id])[0]
+    assert '<div class="verdict FAIL" id="verdict">' in Path(report_path).read_text()
+
+
+def _json(proc):
+    """The JSON an `airflow ... -o json` command printed (warnings may come first on stdout)."""
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(("[", "{")))
+    return json.loads(line)

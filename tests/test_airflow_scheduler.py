@@ -112,7 +112,8 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
             assert all(t["state"] == "success" for t in tis["task_instances"])
             writers = {t["task_id"]: t["pool"] for t in tis["task_instances"] if t["task_id"] != "fetch"}
             assert writers == {"plan": "default_pool", "ingest": "warehouse_writer",
-                               "materialise": "warehouse_writer", "report": "warehouse_writer"}
+                               "materialise": "warehouse_writer", "report": "warehouse_writer",
+                               "all_fetched": "default_pool"}
         finally:
             for proc in reversed(list(procs.values())):
                 stop(proc)

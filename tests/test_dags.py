@@ -98,10 +98,12 @@ def test_writing_tasks_use_the_one_slot_pool_and_nothing_else_does(bag, dag_id):
 def test_nightly_shape(bag):
     dag = bag["dags"]["featurehouse_nightly"]
     t = dag["tasks"]
-    assert dag["sorted"] == ["plan", "fetch", "ingest", "materialise", "report"]
+    assert dag["sorted"] == ["plan", "fetch", "ingest", "materialise", "report", "all_fetched"]
     assert t["fetch"]["pool"] == "neuronpedia_api" and t["fetch"]["mapped"] and not t["plan"]["mapped"]
     assert t["fetch"]["upstream"] == ["plan"] and t["ingest"]["upstream"] == ["fetch"]
     assert t["materialise"]["upstream"] == ["ingest"] and t["report"]["upstream"] == ["materialise"]
+    # the last task waits for every fetch chunk: a failed chunk fails the run, after the report
+    assert t["all_fetched"]["upstream"] == ["fetch", "report"] and t["all_fetched"]["pool"] == "default_pool"
     assert any("feature_activation_stats" in o for o in t["materialise"]["outlets"])
     assert any("source_activation_stats" in o for o in t["materialise"]["outlets"])
     assert dag["timetable"] == "CronTriggerTimetable"

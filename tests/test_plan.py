@@ -102,6 +102,10 @@ def test_env_overrides_the_file(tmp_path):
         ('[schedule]\ncron = "@nightly"\n', r"\[schedule\] cron '@nightly' is not a cron expression"),
         ('[schedule]\ncron = 3\n', r"\[schedule\] cron 3 must be a string"),
         ('[fetch]\nchunk_size = 0\n', "chunk_size"),
+        ('[fetch]\nmax_failed_fraction = 1.5\n', r"\[fetch\] max_failed_fraction must be a number from 0 to 1"),
+        ('[fetch]\nmax_failed_fraction = "half"\n', r"\[fetch\] max_failed_fraction must be"),
+        ('[fetch]\ntask_retries = -1\n', r"\[fetch\] task_retries must be a whole number"),
+        ('[fetch]\nmax_attempts = 0\n', r"\[fetch\] max_attempts must be a positive integer"),
         ('[fetsh]\nchunk_size = 10\n', "unknown section"),
         ('[[sources]\n', "not valid TOML"),
     ],
@@ -247,3 +251,19 @@ def test_a_bad_schedule_from_the_environment_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError, match=r"FEATUREHOUSE_SCHEDULE '0 3 \* \* 8' is not a valid cron") as exc:
         load_plan(path, env={"FEATUREHOUSE_SCHEDULE": "0 3 * * 8"})
     assert str(path) in str(exc.value)
+
+
+def test_fetch_failure_settings_reach_every_chunk(tmp_path):
+    path = write(tmp_path, '[fetch]\nmax_failed_fraction = 0.2\nmax_attempts = 3\nbackoff = 0.5\n'
+                           'task_retries = 1\ntask_retry_delay = 5\n'
+                           '[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["0:3"]\n')
+    plan = load_plan(path, env={})
+    assert (plan.max_failed_fraction, plan.max_attempts, plan.backoff, plan.task_retries, plan.task_retry_delay) == (
+        0.2, 3, 0.5, 1, 5.0)
+    (c,) = chunks(plan, "w")
+    assert (c["max_failed_fraction"], c["max_attempts"], c["backoff"]) == (0.2, 3, 0.5)
+    assert load_plan(path, env={"FEATUREHOUSE_MAX_FAILED_FRACTION": "1"}).max_failed_fraction == 1.0
+    with pytest.raises(ConfigError, match="FEATUREHOUSE_MAX_FAILED_FRACTION must be a number from 0 to 1"):
+        load_plan(path, env={"FEATUREHOUSE_MAX_FAILED_FRACTION": "lots"})
+    defaults = load_plan(write(tmp_path, ""), env={})
+    assert (defaults.max_failed_fraction, defaults.max_attempts, defaults.task_retries) == (0.5, 6, 4)

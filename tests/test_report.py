@@ -135,7 +135,7 @@ def test_verdict_is_warn_with_its_rule(seed_run):
     _, _, path = seed_run
     page = path.read_text()
     assert '<div class="verdict WARN" id="verdict">' in page
-    assert "Decided by rule 4" in page
+    assert "Decided by rule 5" in page
     assert "1 input(s) rejected, 1 record(s) quarantined, 1 expectation result(s) failed" in page
     for _, cond in VERDICT_RULES:
         assert cond in html.unescape(page)
@@ -241,11 +241,18 @@ def test_report_write_failure_does_not_fail_the_run(tmp_path):
         ({"status": "running", "n_received": 0}, "FAIL", 0),
         ({"status": "succeeded", "n_received": 4, "n_rejected": 4}, "FAIL", 1),
         ({"status": "succeeded", "n_received": 5, "n_loaded": 2, "n_rejected": 3}, "FAIL", 2),
-        ({"status": "succeeded", "n_received": 4, "n_loaded": 2, "n_rejected": 2}, "WARN", 3),
-        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_quarantined": 1}, "WARN", 3),
-        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_expectations_failed": 1}, "WARN", 3),
-        ({"status": "succeeded", "n_received": 3, "n_duplicates": 3}, "PASS", 4),
-        ({"status": "succeeded", "n_received": 3, "n_duplicates": 1, "n_loaded": 2}, "PASS", 4),
+        ({"status": "succeeded", "n_received": 4, "n_loaded": 2, "n_rejected": 2}, "WARN", 4),
+        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_quarantined": 1}, "WARN", 4),
+        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_expectations_failed": 1}, "WARN", 4),
+        ({"status": "succeeded", "n_received": 3, "n_duplicates": 3}, "PASS", 5),
+        ({"status": "succeeded", "n_received": 3, "n_duplicates": 1, "n_loaded": 2}, "PASS", 5),
+        # fetch failures: every URL failed (nothing received), most failed, a few failed
+        ({"status": "succeeded", "n_received": 0, "n_fetch_failed": 3}, "FAIL", 3),
+        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_fetch_failed": 3}, "FAIL", 3),
+        ({"status": "succeeded", "n_received": 2, "n_duplicates": 2, "n_fetch_failed": 3}, "FAIL", 3),
+        ({"status": "succeeded", "n_received": 3, "n_loaded": 3, "n_fetch_failed": 3}, "WARN", 4),
+        ({"status": "succeeded", "n_received": 9, "n_loaded": 9, "n_fetch_failed": 1}, "WARN", 4),
+        ({"status": "succeeded", "n_received": 2, "n_loaded": 2, "n_fetch_not_found": 5}, "PASS", 5),
     ],
 )
 def test_verdict_rules(run, level, rule):
@@ -519,7 +526,7 @@ def test_hostile_report_renders_whole_and_runs_nothing_in_chromium(browser, host
     # the run page: every section rendered, the hostile text shown as text where it belongs
     browser.open(path.as_uri())
     ids = browser.js("[...document.querySelectorAll('section.card')].map(s => s.id)")
-    assert ids == ["summary", "rejected", "quarantine", "expectations", "activations", "trends"]
+    assert ids == ["summary", "fetch", "rejected", "quarantine", "expectations", "activations", "trends"]
     assert browser.js("[...document.querySelectorAll('svg')].every(s => !s.closest('p, td, span'))")
     body = browser.js("document.body.innerText")
     assert HOSTILE["description"] in body and HOSTILE["rejected_key"] in body and HOSTILE["origin"] in body

@@ -1,0 +1,137 @@
+"""A fetch that failed wholly or mostly is not a green night: the fetch chunk raises (its
+Airflow task fails and is retried), the ingest still loads what landed and records the failures,
+and the run's report is not PASS and lists them, escaped. Against real loopback servers: a port
+nobody listens on, the fake Neuronpedia with failing URLs, and a proxy answering HTML 502s."""
+
+from __future__ import annotations
+
+import html
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from pipeline.fetch import ingest_fetched
+from pipeline.plan import FetchChunkFailed, fetch_chunk, too_many_failed
+from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
+from tests.fetch_support import MODEL, SOURCE, pages, query, settings_in
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connecting is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chunk(base_url: str, window: str, start: int = 0, stop: int = 3, **kw) -> dict:
+    return {"model": MODEL, "source": SOURCE, "via": "api", "start": start, "stop": stop, "window": window,
+            "base_url": base_url, "exports_url": f"{base_url}/neuronpedia-datasets", "concurrency": 2,
+            "requests_per_hour": 10_000_000, "max_attempts": 2, "backoff": 0.01, "max_failed_fraction": 0.5} | kw
+
+
+def test_a_chunk_against_a_closed_port_fails_and_the_run_says_so(tmp_path):
+    settings = settings_in(tmp_path)
+    base = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(FetchChunkFailed) as exc:
+        fetch_chunk(chunk(base, "w-closed"), settings)
+    msg = str(exc.value)
+    assert f"{MODEL}/{SOURCE} features 0:3 (window w-closed): 3 of 3 URL(s) failed" in msg
+    assert "(2 attempts): ConnectionError" in msg and base in msg
+
+    # the ingest task still runs (trigger_rule all_done): nothing to load, the failures recorded
+    summary = ingest_fetched("w-closed", settings, run_id="r-closed", progress=False)
+    assert summary.status == "succeeded" and summary.n_received == 0
+    rows = query(settings, "SELECT url, status, attempts FROM fetch_failures WHERE run_id = 'r-closed' ORDER BY url")
+    assert rows == [(f"{base}/api/feature/{MODEL}/{SOURCE}/{i}", "failed", 2) for i in range(3)]
+
+    page = Path(summary.report_path).read_text()
+    assert '<div class="verdict FAIL" id="verdict">' in page and "Decided by rule 4" in page
+    assert "3 of 3 URL(s) failed to fetch (all)" in page
+    listed = re.findall(r'<tr class="fetch-failure" data-status="failed"><td[^>]*>([^<]+)</td>.*?<td class="n">(\d+)</td>'
+                        r'<td[^>]*>([^<]*)</td>', page)
+    assert [(u, int(n)) for u, n, _ in listed] == [(u, n) for u, _, n in rows]
+    assert all(e.startswith("ConnectionError") for _, _, e in listed)
+    index = (settings.report_dir / "index.html").read_text()
+    assert re.search(r'data-run="r-closed">\s*<td><span class="badge FAIL">', index)
+
+
+def test_an_exports_chunk_whose_listing_fails_fails(tmp_path):
+    base = f"http://127.0.0.1:{closed_port()}"
+    c = chunk(base, "w-exp", via="exports", batches=None)
+    with pytest.raises(FetchChunkFailed, match=r"exports batches all \(window w-exp\): 1 of 1 URL\(s\) failed"):
+        fetch_chunk(c, settings_in(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "n_failing, fraction, fails",
+    [(0, 0.5, False), (1, 0.5, False), (2, 0.5, False), (3, 0.5, True), (4, 0.5, True),
+     (3, 1.0, False), (4, 1.0, True), (1, 0.0, True)],
+)
+def test_the_share_of_failed_urls_decides(tmp_path, n_failing, fraction, fails):
+    with FakeNeuronpedia(pages=pages(4), always={feature_path(i): "503" for i in range(n_failing)}) as np:
+        c = chunk(np.base_url, "w", 0, 4, max_failed_fraction=fraction)
+        if fails:
+            with pytest.raises(FetchChunkFailed, match=rf"{n_failing} of 4 URL\(s\) failed.*HTTP 503"):
+                fetch_chunk(c, settings_in(tmp_path))
+        else:
+            assert fetch_chunk(c, settings_in(tmp_path))["n_failed"] == n_failing
+
+
+def test_features_neuronpedia_does_not_have_are_not_failures(tmp_path):
+    with FakeNeuronpedia(pages=pages(2)) as np:
+        result = fetch_chunk(chunk(np.base_url, "w", 10, 14), settings_in(tmp_path))
+    assert (result["n_not_found"], result["n_failed"]) == (4, 0)
+
+
+def test_a_retried_chunk_asks_only_for_what_failed_and_passes_once_it_lands(tmp_path):
+    settings = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(4), always={feature_path(i): "503" for i in range(4)}) as np:
+        with pytest.raises(FetchChunkFailed):
+            fetch_chunk(chunk(np.base_url, "w-retry", 0, 4), settings)
+        np.set_faults()  # the site is back
+        result = fetch_chunk(chunk(np.base_url, "w-retry", 0, 4), settings)
+    assert (result["n_requested"], result["n_landed"], result["n_failed"]) == (4, 4, 0)
+
+
+@pytest.mark.parametrize("n, fails", [(0, False), (1, True), (10, True)])
+def test_too_many_failed_counts_a_failed_listing_as_a_request(n, fails):
+    assert too_many_failed(n, 0, 0.5) is fails
+
+
+class _BadGateway(BaseHTTPRequestHandler):
+    """A proxy in front of the site that answers every request with its own HTML error page."""
+
+    BODY = b"<html><head><title>502 Bad Gateway</title></head><body><!-- x --><script>alert(1)</script></body></html>"
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        self.send_response(502)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(self.BODY)))
+        self.end_headers()
+        self.wfile.write(self.BODY)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_report_lists_fetch_failures_escaped(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BadGateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    settings = settings_in(tmp_path)
+    try:
+        with pytest.raises(FetchChunkFailed, match="HTTP 502"):
+            fetch_chunk(chunk(f"http://127.0.0.1:{server.server_address[1]}", "w-502", 0, 2), settings)
+    finally:
+        server.shutdown()
+        server.server_close()
+    summary = ingest_fetched("w-502", settings, run_id="r-502", progress=False)
+    raw = Path(summary.report_path).read_text()
+    assert "<title>502" not in raw and "<script>alert" not in raw and "<!-- x" not in raw
+    rows = re.findall(r'<tr class="fetch-failure".*?</tr>', raw, re.S)
+    assert len(rows) == 2
+    assert all("HTTP 502: <html><head><title>502 Bad Gateway</title>" in html.unescape(r) for r in rows)
+    assert '<footer>' in raw
