@@ -301,7 +301,10 @@ def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, so
 
 @fetch_group.command("exports")
 @click.option("--batches", "span", default=None, metavar="A:B",
-              help="Only export batches A up to B (B excluded); batch N holds features N*1024 to N*1024+1023.")
+              help="Only batch files A up to B (B excluded) of each table. Tables number batches "
+                   "differently: features and explanations batches are in text order of the index "
+                   "(batch 0: 0, 1, 10, 100, ...), activations batch N holds features N*1024 to "
+                   "N*1024+1023, so the same numbers cover different features. Default: every batch.")
 @click.option("--exports-url", default="https://neuronpedia-datasets.s3.amazonaws.com", show_default=True,
               help="The public bulk-export bucket (anonymous HTTPS; no API key is sent to it).")
 @_fetch_options

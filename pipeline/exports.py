@@ -120,7 +120,14 @@ def export_prefix(model: str, source: str) -> str:
 
 def select_exports(objects: list[ExportObject], prefix: str, batches: range | None) -> list[ExportObject]:
     """The model/source/source-set rows, then the features, explanations and activations
-    batches (those numbered in ``batches``, or all). Other keys are ignored."""
+    batches (those numbered in ``batches``, or all), table by table. Other keys are ignored.
+
+    ``batches`` selects batch files by their number in each table. The tables number them
+    differently (features and explanations batches are paged by ``index`` as text, so features
+    batch 0 holds "0", "1", "10", "100", ...; activations batch N holds features N*1024 to
+    N*1024+1023), so features batch N and activations batch N generally cover different
+    features: nothing here assumes a feature's rows share a batch number.
+    """
     sidecars, batch_objs = [], []
     for o in objects:
         rel = o.key[len(prefix):] if o.key.startswith(prefix) else None
@@ -129,7 +136,7 @@ def select_exports(objects: list[ExportObject], prefix: str, batches: range | No
         elif rel and (m := _BATCH.match(rel)) and (batches is None or int(m[2]) in batches):
             batch_objs.append((("features", "explanations", "activations").index(m[1]), int(m[2]), o))
     sidecars.sort(key=lambda o: _SIDECARS.index(o.key[len(prefix):]))
-    return sidecars + [o for _, _, o in sorted(batch_objs, key=lambda t: (t[1], t[0]))]
+    return sidecars + [o for _, _, o in sorted(batch_objs, key=lambda t: (t[0], t[1]))]
 
 
 class _GzipCheck:

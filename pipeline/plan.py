@@ -106,7 +106,9 @@ class SourcePlan:
     all_features: bool = False
     """Page through every feature of the source with ``features-offset`` instead of ranges."""
     batches: tuple[int, int] | None = None
-    """Exports only: the half-open range of batch numbers; None means every batch."""
+    """Exports only: the half-open range of batch file numbers, taken in each table (features and
+    explanations batches are in text order of the index, activations batches numeric ranges of
+    1,024 features, so the same numbers cover different features); None means every batch."""
 
     @property
     def n_indices(self) -> int:

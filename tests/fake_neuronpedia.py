@@ -109,42 +109,55 @@ def _gz(rows: list[dict]) -> bytes:
 
 
 def build_bucket(pages: Iterable[dict], *, producer: str = "a", batch_features: int = 1024) -> dict[str, bytes]:
-    """The export files for ``pages``, as ``{key: bytes}``: batch N of a source holds the features
-    with index ``N*batch_features .. N*batch_features + batch_features - 1``."""
+    """The export files for ``pages``, as ``{key: bytes}``, laid out as Neuronpedia's export
+    script lays them out (shared/docs/neuronpedia-formats.md, "Batch numbering differs by table"):
+
+    - ``features/batch-N``: ``batch_features`` feature rows each, in the order of ``index`` as
+      text (the column is a string), so batch 0 holds "0", "1", "10", "100", ...;
+    - ``explanations/batch-N``: likewise ``batch_features`` explanation rows each, by ``index``
+      as text (sparse: only features that have explanations);
+    - ``activations/batch-N``: the activations of features ``N*batch_features`` to
+      ``N*batch_features + batch_features - 1`` (numeric ranges).
+    """
     if producer not in ("a", "b"):
         raise ValueError("producer is 'a' (minimal columns) or 'b' (extra columns)")
     objects: dict[str, bytes] = {}
-    batches: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
+    by_source: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for page in pages:
         model, source = page["modelId"], page["layer"]
         prefix = f"v1/{model}/{source}/"
         for name, rel in (("model.jsonl", "model"), ("source.jsonl", "source"), ("sourceset.jsonl", "sourceSet")):
             if isinstance(page.get(rel), dict):
                 objects.setdefault(prefix + name, orjson.dumps(page[rel]) + b"\n")
-        batches[(model, source, int(page["index"]) // batch_features)].append(page)
-    for (model, source, n), group in sorted(batches.items()):
+        by_source[(model, source)].append(page)
+    for (model, source), group in sorted(by_source.items()):
         prefix = f"v1/{model}/{source}/"
-        features, activations, explanations = [], [], []
+        as_text = sorted(group, key=lambda p: str(p["index"]))  # ORDER BY index, a text column
+        features = [{k: v for k, v in page.items() if k not in _RELATIONS} for page in as_text]
+        explanations = [_explanation_row(e, page, producer) for page in as_text for e in page.get("explanations") or ()]
+        activations: dict[int, list[dict]] = defaultdict(list)
         for page in sorted(group, key=lambda p: int(p["index"])):
-            features.append({k: v for k, v in page.items() if k not in _RELATIONS})
             for a in page.get("activations") or ():
-                if producer == "a":
-                    activations.append({k: a[k] for k in ACTIVATION_COLUMNS_A if k in a})
-                else:
-                    activations.append(dict(a, zValues=[], producer_note="b"))
-            for e in page.get("explanations") or ():
-                row = {"id": e["id"], "modelId": model, "layer": source, "index": page["index"],
-                       "authorId": e.get("authorId"), "description": e.get("description"),
-                       "embedding": None, "typeName": e.get("typeName"),
-                       "explanationModelName": e.get("explanationModelName"),
-                       "umap_x": None, "umap_y": None, "umap_cluster": None, "umap_log_feature_sparsity": None}
-                if producer == "b":
-                    row |= {k: v for k, v in e.items() if k not in ("scores",) and k not in row}
-                explanations.append(row)
-        objects[f"{prefix}features/batch-{n}.jsonl.gz"] = _gz(features)
-        objects[f"{prefix}activations/batch-{n}.jsonl.gz"] = _gz(activations)
-        objects[f"{prefix}explanations/batch-{n}.jsonl.gz"] = _gz(explanations)
+                row = ({k: a[k] for k in ACTIVATION_COLUMNS_A if k in a} if producer == "a"
+                       else dict(a, zValues=[], producer_note="b"))
+                activations[int(page["index"]) // batch_features].append(row)
+        for table, rows in (("features", features), ("explanations", explanations)):
+            for n, start in enumerate(range(0, len(rows), batch_features)):
+                objects[f"{prefix}{table}/batch-{n}.jsonl.gz"] = _gz(rows[start:start + batch_features])
+        for n, rows in sorted(activations.items()):
+            objects[f"{prefix}activations/batch-{n}.jsonl.gz"] = _gz(rows)
     return objects
+
+
+def _explanation_row(e: dict, page: dict, producer: str) -> dict:
+    row = {"id": e["id"], "modelId": page["modelId"], "layer": page["layer"], "index": page["index"],
+           "authorId": e.get("authorId"), "description": e.get("description"),
+           "embedding": None, "typeName": e.get("typeName"),
+           "explanationModelName": e.get("explanationModelName"),
+           "umap_x": None, "umap_y": None, "umap_cluster": None, "umap_log_feature_sparsity": None}
+    if producer == "b":
+        row |= {k: v for k, v in e.items() if k not in ("scores",) and k not in row}
+    return row
 
 
 # --- the server -----------------------------------------------------------------------------

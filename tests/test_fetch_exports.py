@@ -61,9 +61,20 @@ def test_listing_is_paginated_and_every_file_is_verified_and_landed(tmp_path):
     assert [scalar(s, f"SELECT count(*) FROM {t}") for t in ("models", "sources", "source_sets")] == [1, 1, 1]
 
 
-def test_batches_limit_what_is_fetched(tmp_path):
+def _text_order(n: int) -> list[int]:
+    """Feature indices 0..n-1 as Neuronpedia's export pages them: ORDER BY index, a text column."""
+    return [int(i) for i in sorted(str(i) for i in range(n))]
+
+
+def _indices(s, table: str) -> list[int]:
+    return [r[0] for r in query(s, f"SELECT DISTINCT feature_index FROM {table} ORDER BY 1")]
+
+
+def test_batches_select_batch_files_by_number_in_each_table(tmp_path):
+    """--batches 1:2 takes batch 1 of each table: features and explanations batches hold indices
+    in text order ("16", ..., "19", "2", "20", ...), activations batch 1 holds 8..15."""
     s = settings_in(tmp_path)
-    with FakeNeuronpedia(pages=pages(12), batch_features=4) as np:
+    with FakeNeuronpedia(pages=pages(24), batch_features=8) as np:
         out = CliRunner().invoke(cli, [
             "fetch", "exports", "--model", MODEL, "--source", SOURCE, "--batches", "1:2",
             "--exports-url", np.exports_url, "--warehouse", str(s.warehouse), "--no-progress",
@@ -72,7 +83,26 @@ def test_batches_limit_what_is_fetched(tmp_path):
                          for r in np.requests if r.path.endswith(".gz"))
     assert out.exit_code == 0, out.output
     assert fetched == ["activations/batch-1.jsonl.gz", "explanations/batch-1.jsonl.gz", "features/batch-1.jsonl.gz"]
-    assert [r[0] for r in query(s, "SELECT feature_index FROM features ORDER BY 1")] == [4, 5, 6, 7]
+    in_text_batch_1 = sorted(_text_order(24)[8:16])
+    assert in_text_batch_1 == [2, 16, 17, 18, 19, 20, 21, 22]
+    assert _indices(s, "features") == in_text_batch_1
+    assert _indices(s, "explanations") == in_text_batch_1
+    assert _indices(s, "activations") == list(range(8, 16))
+
+
+def test_the_whole_source_gives_every_row(tmp_path):
+    s = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(24), batch_features=8) as np:
+        keys = sorted(k.rsplit("/", 2)[-2] + "/" + k.rsplit("/", 1)[-1] for k in np.objects if k.endswith(".gz"))
+        result = fetch_exports(MODEL, SOURCE, settings=s, exports_url=np.exports_url, window="all", **FAST)
+    assert keys == [f"{t}/batch-{n}.jsonl.gz" for t in ("activations", "explanations", "features") for n in range(3)]
+    assert (result.n_landed, result.n_failed) == (12, 0)
+    summary = ingest_fetched("all", s, run_id="r-all", progress=False)
+    assert summary.n_rejected == 0 and summary.n_quarantined == 0
+    for table in ("features", "explanations", "activations"):
+        assert _indices(s, table) == list(range(24)), table
+    assert scalar(s, "SELECT count(*) FROM activations") == sum(len(p["activations"]) for p in pages(24))
+    assert scalar(s, "SELECT count(DISTINCT feature_index) FROM feature_activation_stats") == 24
 
 
 def test_export_that_never_arrives_whole_is_reported_not_landed(tmp_path):
