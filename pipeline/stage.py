@@ -31,7 +31,7 @@ from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
 
 __all__ = [
     "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "stage_parsed", "create_views",
-    "raw_records", "drop",
+    "keep_staged", "raw_records", "drop",
 ]
 
 log = logging.getLogger("featurehouse")
@@ -341,11 +341,12 @@ def _content_columns(table: str) -> list[str]:
 def create_views(conn: duckdb.DuckDBPyConnection) -> None:
     """Create the ``stage_<table>`` tables: both roads united, exact duplicates collapsed.
 
-    A record that arrives more than once in a batch with identical contents (the same page in
-    two formats) is kept once, the last copy. Copies of one key with different contents are all
-    kept, so that the suite's uniqueness expectation refuses them rather than one silently
-    winning. Bookkeeping tables (models, sources, source sets) keep the last copy per key.
-    The (costly) content hash is only computed when a key repeats at all.
+    A record that one input carries more than once with identical contents is kept once.
+    Copies of one key with different contents are all kept, so that the suite's uniqueness
+    expectation refuses them rather than one silently winning; copies from different inputs
+    are captures of the feature competing in ``load.claim_captures``. Bookkeeping tables
+    (models, sources, source sets) keep the last copy per key. The (costly) content hash is
+    only computed when a key repeats at all.
     """
     for table in STAGED_TABLES:
         keys = _KEYS[table]
@@ -364,7 +365,7 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
         else:
             if table in _RAW_TABLES:
                 content = ", ".join(f'"{c}"' for c in _content_columns(table))
-                partition = f"{keys}, hash({content})"
+                partition = f"{keys}, input_sha256, hash({content})"
             else:
                 partition = keys
             conn.execute(
@@ -372,6 +373,23 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
                     QUALIFY row_number() OVER (PARTITION BY {partition} ORDER BY _row DESC) = 1"""
             )
         conn.execute(f"DROP VIEW stage_{table}_all")
+
+
+def keep_staged(conn: duckdb.DuckDBPyConnection, table: str, predicate: str) -> None:
+    """Keep only the staged ``table`` records for which ``predicate`` (over alias ``s``) holds."""
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_{table}_kept AS SELECT * FROM stage_{table} AS s WHERE {predicate}")
+    _drop_stage(conn, table)
+    conn.execute(f"ALTER TABLE stage_{table}_kept RENAME TO stage_{table}")
+
+
+def _drop_stage(conn: duckdb.DuckDBPyConnection, table: str) -> None:
+    (kind,) = conn.execute(
+        "SELECT coalesce(any_value(table_type), '') FROM information_schema.tables "
+        "WHERE table_name = ? AND table_catalog = 'temp'",
+        [f"stage_{table}"],
+    ).fetchone()
+    if kind:
+        conn.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} stage_{table}")
 
 
 def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) -> dict[int, tuple[str, str]]:
@@ -427,12 +445,7 @@ _RELATIONS = ("activations", "explanations", "model", "source", "sourceSet", "li
 def drop(conn: duckdb.DuckDBPyConnection) -> None:
     """Remove the batch's staging objects."""
     for table in STAGED_TABLES:
-        (kind,) = conn.execute(
-            "SELECT coalesce(any_value(table_type), '') FROM information_schema.tables WHERE table_name = ?",
-            [f"stage_{table}"],
-        ).fetchone()
-        if kind:
-            conn.execute(f"DROP {'VIEW' if kind == 'VIEW' else 'TABLE'} stage_{table}")
+        _drop_stage(conn, table)
         conn.execute(f"DROP TABLE IF EXISTS py_{table}")
     conn.execute("DROP TABLE IF EXISTS fast_pages")
     for table in _EXPORT_COLUMNS:

@@ -30,8 +30,9 @@ token_best AS (
 ),
 
 top AS (
+    -- ties broken by the token, so the list never depends on the order rows were read in
     SELECT model_id, source_id, feature_index, data_source,
-           max_by({'token': token, 'activation': best}, best, 10) AS top_tokens
+           list({'token': token, 'activation': best} ORDER BY best DESC, token)[1:10] AS top_tokens
     FROM token_best
     GROUP BY ALL
 ),
