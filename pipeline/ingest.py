@@ -30,6 +30,7 @@ from .land import Landed, land
 from .load import (
     DATA_TABLES,
     REFERENCE_KEYS,
+    STAGED_ACTIVATIONS,
     claim_captures,
     insert_rows,
     replace_staged,
@@ -291,7 +292,7 @@ class _Run:
             for table in REFERENCE_KEYS:
                 upsert_reference(conn, table, now)
             if self.materialise:  # stats of the features this batch changed, in the same snapshot
-                materialise.refresh_changed(conn, sources=self.source_stats)
+                materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS)
             gone = [dict(r, run_id=run_id, recorded_at=now) for r in superseded + older]
             insert_rows(conn, "superseded", gone)
             # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.

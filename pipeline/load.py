@@ -30,7 +30,7 @@ import pyarrow as pa
 from .records import ARROW_SCHEMAS
 
 __all__ = [
-    "DATA_TABLES", "REFERENCE_KEYS", "passed", "claim_captures", "replace_staged", "upsert_reference",
+    "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
     "insert_rows", "utcnow",
 ]
 
@@ -46,6 +46,13 @@ REFERENCE_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 _FEATURE_KEY = ("model_id", "source_id", "feature_index")
+
+#: After ``replace_staged``: the batch's activations that now make up their features, and
+#: those features' keys (what ``materialise.refresh_changed(staged=...)`` takes).
+STAGED_ACTIVATIONS = (
+    "SELECT s.* FROM stage_activations s JOIN incoming_activations USING (_row)",
+    "SELECT DISTINCT model_id, source_id, feature_index FROM incoming_activations",
+)
 _ROW_IDS = {"activations": "activation_id", "explanations": "explanation_id"}
 
 
@@ -125,11 +132,17 @@ def _decide(conn: duckdb.DuckDBPyConnection, reprocess: bool) -> None:
     conn.execute(f"CREATE OR REPLACE TEMP TABLE applied AS SELECT * FROM capture_decisions WHERE decision IN {applied}")
 
 
-def _incoming(table: str, cols: str) -> str:
-    """The staged rows of ``table`` that load: passed validation, and their capture applies."""
-    return f"""SELECT {cols}, a.captured_at AS captured_at_ FROM stage_{table} s
-               JOIN applied a ON {_on('a', 's')} AND a.table_name = '{table}' AND a.input_sha256 = s.input_sha256
-               WHERE s._row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')"""
+def _incoming(conn: duckdb.DuckDBPyConnection, table: str) -> None:
+    """``incoming_<table>``: the staged rows of ``table`` that load (passed validation, and
+    their capture applies), by ``_row``, with their keys and capture time, not their contents."""
+    row_id = f", s.{_ROW_IDS[table]}" if table in _ROW_IDS else ""
+    conn.execute(f"""
+        CREATE OR REPLACE TEMP TABLE incoming_{table} AS
+        SELECT s._row, s.input_sha256, s.model_id, s.source_id, s.feature_index{row_id},
+               a.captured_at AS captured_at_
+        FROM stage_{table} s
+        JOIN applied a ON {_on('a', 's')} AND a.table_name = '{table}' AND a.input_sha256 = s.input_sha256
+        WHERE s._row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')""")
 
 
 def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *,
@@ -138,41 +151,44 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
     transaction (and the commit lock).
 
     Returns the rows loaded per table and input, and the captures superseded by an already
-    loaded newer one. Leaves the features whose statistics changed in the temp table
-    ``changed_features``.
+    loaded newer one. Leaves the features whose activations changed in the temp table
+    ``changed_features``, and the rows that loaded in ``incoming_<table>`` (see
+    :data:`STAGED_ACTIVATIONS`).
     """
     _decide(conn, reprocess)
-    conn.execute("CREATE OR REPLACE TEMP TABLE changed_features AS "
-                 "SELECT DISTINCT model_id, source_id, feature_index FROM applied")
+    # a feature's activation statistics change when its activations do
+    conn.execute("CREATE OR REPLACE TEMP TABLE changed_features AS SELECT DISTINCT model_id, source_id, "
+                 "feature_index FROM applied WHERE table_name = 'activations'")
     loaded: dict[str, dict[str, int]] = {}
     for table in DATA_TABLES:
-        cols = ", ".join(f's."{f.name}"' for f in ARROW_SCHEMAS[table])
-        incoming = _incoming(table, cols + ", s.input_sha256")
+        _incoming(conn, table)
+        incoming = f"incoming_{table}"
         has_rows = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
         row_id = _ROW_IDS.get(table)
         if has_rows:
             claims = f"(SELECT * FROM applied WHERE table_name = '{table}')"
             if row_id:
                 # ids the batch brings that another feature holds now: that feature loses them
-                conn.execute(f"CREATE OR REPLACE TEMP TABLE incoming_ids AS SELECT DISTINCT {row_id} FROM ({incoming})")
+                if table == "activations":
+                    conn.execute(f"""
+                        INSERT INTO changed_features
+                        SELECT DISTINCT t.model_id, t.source_id, t.feature_index FROM {table} t
+                        WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
+                          AND NOT EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
                 conn.execute(f"""
-                    INSERT INTO changed_features
-                    SELECT DISTINCT t.model_id, t.source_id, t.feature_index FROM {table} t
-                    WHERE t.{row_id} IN (SELECT {row_id} FROM incoming_ids)
-                      AND NOT EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
-                conn.execute(f"""
-                    DELETE FROM {table} AS t WHERE t.{row_id} IN (SELECT {row_id} FROM incoming_ids)
+                    DELETE FROM {table} AS t WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
                     OR EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
             else:
                 conn.execute(f"DELETE FROM {table} AS t USING {claims} AS a WHERE {_on('t', 'a')}")
+        cols = ", ".join(f's."{f.name}"' for f in ARROW_SCHEMAS[table])
         conn.execute(
             f"""INSERT INTO {table} BY NAME
-                SELECT * EXCLUDE (captured_at_), captured_at_ AS captured_at, $now AS loaded_at,
+                SELECT {cols}, s.input_sha256, i.captured_at_ AS captured_at, $now AS loaded_at,
                        $run_id AS run_id
-                FROM ({incoming})""",
+                FROM stage_{table} s JOIN {incoming} i USING (_row)""",
             {"now": now, "run_id": run_id},
         )
-        loaded[table] = dict(conn.execute(f"SELECT input_sha256, count(*) FROM ({incoming}) GROUP BY 1").fetchall())
+        loaded[table] = dict(conn.execute(f"SELECT input_sha256, count(*) FROM {incoming} GROUP BY 1").fetchall())
     conn.execute("""DELETE FROM feature_captures AS t USING applied AS a
                     WHERE t.model_id = a.model_id AND t.source_id = a.source_id
                       AND t.feature_index = a.feature_index AND t.table_name = a.table_name""")
@@ -196,15 +212,15 @@ def upsert_reference(conn: duckdb.DuckDBPyConnection, table: str, now: datetime)
     cols = [f.name for f in ARROW_SCHEMAS[table]]
     sel = ", ".join(f'"{c}"' for c in cols)
     same = " AND ".join(f't."{c}" IS NOT DISTINCT FROM s."{c}"' for c in cols)
-    conn.execute(f"""CREATE OR REPLACE TEMP TABLE changed_{table} AS
+    conn.execute(f"""CREATE OR REPLACE TEMP TABLE new_{table} AS
                      SELECT * FROM stage_{table} AS s WHERE NOT EXISTS (SELECT 1 FROM {table} AS t WHERE {same})""")
-    (n,) = conn.execute(f"SELECT count(*) FROM changed_{table}").fetchone()
+    (n,) = conn.execute(f"SELECT count(*) FROM new_{table}").fetchone()
     if n:
         on = " AND ".join(f"t.{k} = c.{k}" for k in REFERENCE_KEYS[table])
-        conn.execute(f"DELETE FROM {table} AS t USING changed_{table} AS c WHERE {on}")
-        conn.execute(f"INSERT INTO {table} BY NAME SELECT {sel}, input_sha256, $now AS loaded_at FROM changed_{table}",
+        conn.execute(f"DELETE FROM {table} AS t USING new_{table} AS c WHERE {on}")
+        conn.execute(f"INSERT INTO {table} BY NAME SELECT {sel}, input_sha256, $now AS loaded_at FROM new_{table}",
                      {"now": now})
-    conn.execute(f"DROP TABLE changed_{table}")
+    conn.execute(f"DROP TABLE new_{table}")
     return n
 
 

@@ -73,11 +73,33 @@ def _run_features(conn: duckdb.DuckDBPyConnection, run_id: str) -> str:
     return " UNION ".join(parts)
 
 
-def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True) -> MaterialiseResult:
+_STATS_COLUMNS = 'model_id, source_id, feature_index, data_source, max_value, tokens, "values"'
+
+
+def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
+                    staged: tuple[str, str] | None = None) -> MaterialiseResult:
     """Recompute stats for the features in the temp table ``changed_features(model_id,
     source_id, feature_index)`` and, with ``sources``, for their sources. The caller holds the
     transaction (ingest calls this inside each batch's load, so stats always match what is
-    committed)."""
+    committed).
+
+    ``staged``, inside a load, is a pair of queries: the batch's activations that now make up
+    their features (the activation columns and the feature key), and those features' keys.
+    Their stats are computed from the staged rows in memory instead of reading back what the
+    load just wrote; the other changed features are read from the table.
+    """
+    if staged is None:
+        conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
+                         SELECT {_STATS_COLUMNS} FROM activations
+                         SEMI JOIN changed_features USING (model_id, source_id, feature_index)""")
+    else:
+        rows, keys = staged
+        conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
+                         SELECT {_STATS_COLUMNS} FROM ({rows})
+                         UNION ALL
+                         SELECT {_STATS_COLUMNS} FROM activations
+                         SEMI JOIN (SELECT * FROM changed_features EXCEPT {keys})
+                         USING (model_id, source_id, feature_index)""")
     conn.execute(
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
         "SELECT DISTINCT model_id, source_id FROM changed_features"
