@@ -3,7 +3,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-WAREHOUSE ?= warehouse/featurehouse.duckdb
+WAREHOUSE ?= warehouse
 SAMPLES ?= samples
 
 .DEFAULT_GOAL := help

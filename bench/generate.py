@@ -1,7 +1,12 @@
-"""Synthetic Neuronpedia API-JSON feature pages shaped like the real seed page.
+"""Synthetic Neuronpedia API-JSON feature pages built from the real seed page.
 
-New keys (feature index, activation and explanation ids), perturbed values, same structure and
-size. Deterministic for a given seed, so tests and benchmarks can regenerate them.
+New keys (feature index, activation and explanation ids), the seed's structure, size and value
+shapes: zero activations stay zero and positive ones are scaled by an exact binary factor
+(k/8 for k in 4..12, i.e. 0.5 to 1.5), so they stay short decimals like the real ``392.25``
+instead of becoming long random floats (which are slow to parse and flatter any comparison
+against a bare ``read_json``). By default each page keeps the seed's one activation whose
+``tokens`` and ``values`` differ in length, as both real captures we have carry a bad record.
+Deterministic for a given seed, so tests and benchmarks can regenerate them.
 
     python -m bench.generate --n 1000 --out bench/out/pages
 """
@@ -42,6 +47,11 @@ def _ident(rng: random.Random) -> str:
     return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(24))
 
 
+#: Exact binary scale factors: k/8 for k in 4..12 (0.5 to 1.5). A bf16-like value times one of
+#: these is still a short decimal (392.25 * 1.125 = 441.28125).
+SCALES = tuple(k / 8 for k in range(4, 13))
+
+
 def synthetic_page(index: int, *, seed: int = 0, model: str = "gpt-oss-20b",
                    source: str = "11-resid-post-aa", valid: bool = True) -> dict:
     """One API-JSON page for feature ``index``. With ``valid`` every record passes validation
@@ -50,8 +60,8 @@ def synthetic_page(index: int, *, seed: int = 0, model: str = "gpt-oss-20b",
     base = seed_page()
     page = copy.deepcopy(base)
     page["modelId"], page["layer"], page["index"] = model, source, str(index)
-    scale = rng.uniform(0.2, 1.5)
-    page["maxActApprox"] = round(base["maxActApprox"] * scale, 4)
+    scale = rng.choice(SCALES)
+    page["maxActApprox"] = base["maxActApprox"] * scale
     page["frac_nonzero"] = min(1.0, base["frac_nonzero"] * rng.uniform(0.1, 10))
     if isinstance(page.get("source"), dict):
         page["source"]["id"], page["source"]["modelId"] = source, model
@@ -62,7 +72,7 @@ def synthetic_page(index: int, *, seed: int = 0, model: str = "gpt-oss-20b",
         n = min(len(a["tokens"]), len(a["values"])) if valid else len(a["values"])
         if valid:
             a["tokens"] = a["tokens"][:n]
-        a["values"] = [round(v * scale, 5) if v else v for v in a["values"][:n]]
+        a["values"] = [v * scale if v else v for v in a["values"][:n]]
         a["maxValue"] = max(a["values"]) if a["values"] else 0
         a["maxValueTokenIndex"] = a["values"].index(a["maxValue"]) if a["values"] else 0
         if rng.random() < 0.1:
@@ -77,10 +87,12 @@ def synthetic_pages(n: int, *, start: int = 0, seed: int = 0, **kw) -> Iterator[
         yield synthetic_page(i, seed=seed, **kw)
 
 
-def write_pages(n: int, out: Path, *, start: int = 0, seed: int = 0) -> list[Path]:
+def write_pages(n: int, out: Path, *, start: int = 0, seed: int = 0, valid: bool = False) -> list[Path]:
+    """Write ``n`` one-line API-JSON pages into ``out``; by default each carries the seed's bad
+    record (``valid=False``), as real pages do."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for page in synthetic_pages(n, start=start, seed=seed):
+    for page in synthetic_pages(n, start=start, seed=seed, valid=valid):
         p = out / f"{page['modelId']}__{page['layer']}__{page['index']}.json"
         p.write_bytes(orjson.dumps(page))
         paths.append(p)
@@ -93,8 +105,9 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/out/pages"))
+    ap.add_argument("--valid", action="store_true", help="repair the seed's bad record in every page")
     a = ap.parse_args()
-    paths = write_pages(a.n, a.out, start=a.start, seed=a.seed)
+    paths = write_pages(a.n, a.out, start=a.start, seed=a.seed, valid=a.valid)
     print(f"wrote {len(paths)} pages to {a.out}")
 
 

@@ -70,7 +70,7 @@ def bench_once(n: int, workdir: Path) -> dict:
     wh = workdir / f"wh-{n}"
     shutil.rmtree(wh, ignore_errors=True)
     exe = str(Path(sys.executable).with_name("featurehouse"))
-    ours = _run_child([exe, "ingest", str(pages), "--warehouse", str(wh / "featurehouse.duckdb"), "--no-progress"],
+    ours = _run_child([exe, "ingest", str(pages), "--warehouse", str(wh), "--no-progress"],
                       env=dict(os.environ, FEATUREHOUSE_REPORTS=str(wh / "reports")))
 
     floor_db = workdir / f"floor-{n}.duckdb"
@@ -84,7 +84,9 @@ def bench_once(n: int, workdir: Path) -> dict:
 
     import duckdb
 
-    with duckdb.connect(str(wh / "featurehouse.duckdb"), read_only=True) as c:
+    from pipeline.warehouse import connect
+
+    with connect(wh, read_only=True) as c:
         ours_rows = c.sql("select count(*) from activations").fetchone()[0]
     with duckdb.connect(str(floor_db), read_only=True) as c:
         floor_rows = c.sql("select count(*) from activations").fetchone()[0]

@@ -8,8 +8,9 @@ bulk-export lines, gzip of any of them.
 A file leaves the inbox (to `<inbox>/.done/<run id>/`) only once its bytes are recorded in
 `raw_inputs`, loaded or rejected; a run that dies half-way leaves the rest for the next run.
 Files changed in the last `[inbox] settle_seconds` are left for the next run (still being
-copied). One task, in pool `warehouse_writer` (DuckDB has one writer); it refreshes the
-activation statistics and publishes them as Assets. The code is `pipeline.inbox.drain_inbox`.
+copied). One task, in pool `warehouse_writer` (which bounds concurrent loads; commits take the
+warehouse's commit lock, so it may run beside the nightly); it refreshes the activation
+statistics and publishes them as Assets. The code is `pipeline.inbox.drain_inbox`.
 """
 
 from __future__ import annotations

@@ -2,26 +2,31 @@
 ### featurehouse_nightly
 
 Fetches the features listed in `featurehouse.toml` from Neuronpedia and loads them into the
-DuckDB warehouse, once a night (cron from `[schedule] cron`, default 03:00 UTC).
+warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00 UTC).
 
 1. **plan** reads `featurehouse.toml` and splits it into fetch chunks (fewer than
    `[core] max_map_length`); each chunk is a small dict naming a source and an index range.
 2. **fetch** is mapped over the chunks in pool `neuronpedia_api`: each lands page bodies in the
-   landing area and never touches DuckDB, so chunks run side by side. A chunk whose URLs all
-   failed, or more than `[fetch] max_failed_fraction` (default 0.5) of them, fails its task,
+   landing area and never touches the warehouse, so chunks run side by side. A chunk whose URLs
+   all failed, or more than `[fetch] max_failed_fraction` (default 0.5) of them, fails its task,
    which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed.
-3. **ingest** parses, validates and loads what the run's window landed, in pool
-   `warehouse_writer` (one slot: DuckDB has one writer). It runs even when some fetch chunks
-   failed, so what did land is loaded tonight; the failures are in `fetch_failures`.
-4. **materialise** refreshes the activation statistics and publishes them as Assets.
+3. **ingest** parses, validates and loads what the run's window landed. It runs even when some
+   fetch chunks failed, so what did land is loaded tonight; the failures are in `fetch_failures`.
+4. **materialise** refreshes the activation statistics of what the run changed and publishes
+   them as Assets.
 5. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
    wholly or mostly).
-6. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
-   failed, which marks the run failed once ingest, materialise and report have run.
+6. **maintain** expires snapshots past the retention period, merges small files and deletes
+   unreferenced ones.
+7. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
+   failed, which marks the run failed once the tasks above have run.
 
-Every task is keyed by the run's data interval (window `featurehouse_nightly-<start>`, warehouse
-run id `airflow-featurehouse_nightly-<start>`), so a retry or a re-run resumes instead of
-fetching or loading twice. The code is in `pipeline/`; each task is a call into it.
+Writers need no exclusive slot: each commit takes the warehouse's commit lock and conflicts are
+retried, and readers are never blocked. Pool `warehouse_writer` only bounds how many loads run
+at once (memory). Every task is keyed by the run's data interval (window
+`featurehouse_nightly-<start>`, warehouse run id `airflow-featurehouse_nightly-<start>`), so a
+retry or a re-run resumes instead of fetching or loading twice. The code is in `pipeline/`;
+each task is a call into it.
 """
 
 from __future__ import annotations
@@ -164,20 +169,25 @@ def featurehouse_nightly():
 
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def materialise(**context) -> dict:
-        from pipeline import warehouse
-        from pipeline.materialise import refresh
+        from pipeline.materialise import refresh_run
         from pipeline.plan import load_plan, run_id_for
 
-        with warehouse.connect(load_plan().warehouse) as conn:
-            return refresh(conn, run_id_for(_key(context), DAG_ID)).as_dict()
+        return refresh_run(load_plan().warehouse, run_id_for(_key(context), DAG_ID)).as_dict()
 
-    @task(pool="warehouse_writer")
+    @task
     def report(**context) -> dict:
         from pipeline.plan import load_plan, run_id_for
-        from pipeline.report import write_report
+        from pipeline.report import report_run
 
-        run_id = run_id_for(_key(context), DAG_ID)
-        return {"run_id": run_id, "report_path": str(write_report(load_plan().warehouse, run_id))}
+        return report_run(load_plan().warehouse, run_id_for(_key(context), DAG_ID))
+
+    @task(pool="warehouse_writer")
+    def maintain() -> dict:
+        from pipeline.maintain import maintain
+        from pipeline.plan import load_plan
+        from pipeline.warehouse import settings_for
+
+        return maintain(settings_for(load_plan().warehouse)).as_dict()
 
     # Airflow judges a run by its last tasks: this one (all_success) is upstream_failed when a
     # fetch chunk failed, so such a night is a failed run, after what landed was loaded and reported.
@@ -186,7 +196,7 @@ def featurehouse_nightly():
         return None
 
     fetched = fetch.expand(chunk=plan())
-    reported = fetched >> ingest() >> materialise() >> report()
+    reported = fetched >> ingest() >> materialise() >> report() >> maintain()
     [fetched, reported] >> all_fetched()
 
 

@@ -6,7 +6,7 @@ set -euo pipefail
 
 airflow db migrate
 airflow pools set neuronpedia_api "${FEATUREHOUSE_API_SLOTS:-4}" "Fetch tasks calling Neuronpedia at once (they share the nightly rate budget)"
-airflow pools set warehouse_writer 1 "DuckDB has one writer: every task that writes the warehouse"
+airflow pools set warehouse_writer "${FEATUREHOUSE_WRITER_SLOTS:-2}" "Loads running at once (memory); commits are serialised by the warehouse's commit lock, not by this pool"
 
 # The simple auth manager reads users from AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS and their
 # passwords from this file (it would invent and print one otherwise).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,10 +22,44 @@ from .receive import InputNotFound
 
 warehouse_option = click.option(
     "--warehouse",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=click.Path(path_type=Path),
     default=None,
-    help="DuckDB file (default: $FEATUREHOUSE_WAREHOUSE, else ./warehouse/featurehouse.duckdb).",
+    help="Warehouse folder (default: $FEATUREHOUSE_WAREHOUSE, else ./warehouse). "
+         "$FEATUREHOUSE_CATALOG and $FEATUREHOUSE_DATA_PATH put the catalog and data elsewhere.",
 )
+format_option = click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
+                             show_default=True, help="How to print the result.")
+
+#: The library's named errors a command turns into a one-line message (exit 1).
+_USER_ERRORS: tuple[type[BaseException], ...] = (
+    warehouse_mod.WarehouseMissing, warehouse_mod.LegacyWarehouse, warehouse_mod.SchemaTooNew,
+    warehouse_mod.SchemaTooOld, warehouse_mod.CommitFailed, warehouse_mod.BadCatalog, TimeoutError,
+)
+
+
+def _open(settings: Settings, **kw) -> duckdb.DuckDBPyConnection:
+    try:
+        return warehouse_mod.connect(settings, **kw)
+    except _USER_ERRORS as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40) -> None:
+    """Rows as a table (DuckDB's own rendering), CSV or JSON on stdout."""
+    if fmt == "csv":
+        w = csv.writer(sys.stdout, lineterminator="\n")
+        w.writerow(cols)
+        w.writerows(rows)
+    elif fmt == "json":
+        out = [dict(zip(cols, r)) for r in rows]
+        sys.stdout.write(orjson.dumps(out, default=str, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n")
+    else:
+        with duckdb.connect() as c:
+            import pyarrow as pa
+
+            c.register("result", pa.Table.from_pylist([dict(zip(cols, r)) for r in rows]) if rows
+                       else pa.table({col: pa.array([], pa.string()) for col in cols}))
+            c.sql("SELECT * FROM result").show(max_rows=max_rows, max_width=10_000)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -85,42 +120,50 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress) -> None:
                          progress=False if no_progress else None)
     except InputNotFound as exc:
         raise click.UsageError(str(exc)) from exc
+    except _USER_ERRORS as exc:
+        raise click.ClickException(str(exc)) from None
     print_summary(summary)
+
+
+_SQL_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 
 
 @cli.command("sql")
 @click.argument("query")
 @warehouse_option
-@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
+@format_option
 @click.option("--max-rows", default=40, show_default=True, help="Rows shown in table format.")
 def sql_cmd(query, warehouse, fmt, max_rows) -> None:
-    """Run a read-only SQL query against the warehouse."""
+    """Run a read-only SQL query against the warehouse (the last committed snapshot).
+
+    Only queries (SELECT, FROM, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN): the connection cannot
+    write files, attach databases or load extensions, and its configuration is locked.
+    --format csv/json is how results leave.
+    """
+    try:
+        statements = duckdb.extract_statements(query)
+    except duckdb.Error as exc:
+        raise click.ClickException(f"query failed: {exc}") from None
+    refused = [st.type.name for st in statements if st.type not in _SQL_STATEMENTS]
+    if refused:
+        raise click.ClickException(
+            f"featurehouse sql is read-only and runs queries only; refused a {refused[0]} statement "
+            "(write results out with --format csv or --format json)")
     settings = Settings.from_env(warehouse=warehouse)
+    conn = _open(settings, read_only=True)
     try:
-        conn = warehouse_mod.connect(settings.warehouse, read_only=True)
-    except warehouse_mod.WarehouseMissing as exc:
-        raise click.ClickException(str(exc)) from exc
-    try:
+        warehouse_mod.sandbox(conn)
         rel = conn.sql(query)
         if rel is None:
             return
         if fmt == "table":
             rel.show(max_rows=max_rows, max_width=10_000)
             return
-        cols = rel.columns
-        rows = rel.fetchall()
-        if fmt == "csv":
-            w = csv.writer(sys.stdout)
-            w.writerow(cols)
-            w.writerows(rows)
-        else:
-            out = [dict(zip(cols, r)) for r in rows]
-            sys.stdout.write(orjson.dumps(out, default=str, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n")
+        _print_rows(rel.columns, rel.fetchall(), fmt)
     except duckdb.Error as exc:
-        raise click.ClickException(f"query failed: {exc}") from exc
+        raise click.ClickException(f"query failed: {exc}") from None
     finally:
         conn.close()
-
 
 
 @cli.command("status")
@@ -129,16 +172,13 @@ def sql_cmd(query, warehouse, fmt, max_rows) -> None:
 def status_cmd(warehouse, limit) -> None:
     """Show recent runs and their counts."""
     settings = Settings.from_env(warehouse=warehouse)
-    try:
-        conn = warehouse_mod.connect(settings.warehouse, read_only=True)
-    except warehouse_mod.WarehouseMissing as exc:
-        raise click.ClickException(str(exc)) from exc
-    with conn:
+    with _open(settings, read_only=True) as conn:
         conn.sql(
             f"""SELECT run_id, status, started_at, round(epoch(finished_at - started_at), 1) AS seconds,
                        n_received AS received, n_loaded AS loaded, n_rejected AS rejected,
                        n_duplicates AS dups, n_features AS features, n_activations AS activations,
-                       n_quarantined AS quarantined, n_expectations_failed AS failed_checks
+                       n_quarantined AS quarantined, n_superseded AS superseded,
+                       n_expectations_failed AS failed_checks
                 FROM runs ORDER BY started_at DESC LIMIT {int(limit)}"""
         ).show(max_width=10_000)
         totals = conn.sql(
@@ -155,30 +195,160 @@ def status_cmd(warehouse, limit) -> None:
 @click.option("--run", "run_id", default=None, callback=lambda ctx, param, value: _run_id(value, "--run"),
               help="The run to report (default: the latest).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for the report and index.html (default: reports/ beside the warehouse).")
+              help="Folder for the report and index.html (default: reports/ in the warehouse folder).")
 def report_cmd(warehouse, run_id, out_dir) -> None:
     """Write a run's HTML data-quality and activation report, and the index of runs."""
     from . import report
 
     settings = Settings.from_env(warehouse=warehouse)
+    conn = _open(settings, read_only=True)
     try:
-        path = report.write_report(settings.warehouse, run_id, out_dir=out_dir, settings=settings)
-    except (warehouse_mod.WarehouseMissing, report.NoRuns, report.RunNotFound) as exc:
+        path = report.write_report(conn, run_id, out_dir=out_dir, settings=settings)
+    except (report.NoRuns, report.RunNotFound) as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        conn.close()
     click.echo(f"report {path}")
     click.echo(f"index  {path.parent / 'index.html'}")
 
 
 @cli.command("materialise")
 @warehouse_option
-@click.option("--run-id", default=None, help="Refresh only the features this run loaded (default: all).")
+@click.option("--run-id", default=None, help="Refresh only the features this run changed (default: all).")
 def materialise_cmd(warehouse, run_id) -> None:
     """Rebuild the activation statistics tables."""
     settings = Settings.from_env(warehouse=warehouse)
-    with warehouse_mod.connect(settings.warehouse) as conn:
-        r = materialise.refresh(conn, run_id)
+    with _open(settings) as conn:
+        r = materialise.refresh(conn, settings, run_id)
     click.echo(f"refreshed {r.feature_stats_rows} feature stats rows over {r.n_features} features "
                f"and {r.source_stats_rows} source stats rows over {r.n_sources} sources")
+
+
+@cli.command("history")
+@click.argument("feature", metavar="MODEL/SOURCE/INDEX")
+@warehouse_option
+@format_option
+def history_cmd(feature, warehouse, fmt) -> None:
+    """Show a feature's versions over time: when each capture was loaded, by which run, and its
+    max activation, number of activations and explanations as of then."""
+    from .history import BadFeatureKey, feature_history, parse_key
+
+    try:
+        key = parse_key(feature)
+    except BadFeatureKey as exc:
+        raise click.BadParameter(str(exc), param_hint="FEATURE") from None
+    settings = Settings.from_env(warehouse=warehouse)
+    with _open(settings, read_only=True) as conn:
+        versions = feature_history(conn, key)
+    if not versions:
+        raise click.ClickException(f"the warehouse has no version of {key} (within its retained history)")
+    cols = ["snapshot_id", "committed_at", "run_id", "captured_at", "replaced", "max_act_approx",
+            "n_activations", "max_activation", "explanations"]
+    rows = [tuple(v[c] for c in cols) for v in versions]
+    if fmt == "table":
+        rows = [r[:4] + (", ".join(r[4]) or "(state kept from before)",) + r[5:8] + (" · ".join(r[8]),) for r in rows]
+    _print_rows(cols, rows, fmt)
+
+
+@cli.command("changes")
+@click.option("--since", required=True, metavar="RUN_ID|TIMESTAMP",
+              help="A run id (changes from just before that run) or a timestamp such as 2026-11-29T03:00:00Z "
+                   "(a time without a zone is UTC).")
+@warehouse_option
+@format_option
+@click.option("--max-rows", default=100, show_default=True, help="Rows shown in table format.")
+def changes_cmd(since, warehouse, fmt, max_rows) -> None:
+    """List the features added, removed and changed since a run or a moment, with what changed."""
+    from .history import HistoryUnavailable, changes_since, describe
+
+    settings = Settings.from_env(warehouse=warehouse)
+    with _open(settings, read_only=True) as conn:
+        try:
+            label, changes = changes_since(conn, since)
+        except HistoryUnavailable as exc:
+            raise click.ClickException(str(exc)) from None
+    cols = ["feature", "change", "what", "run_id", "captured_at"]
+    if fmt == "table":
+        click.echo(f"{len(changes)} feature(s) changed {label}")
+        rows = [(c["feature"], c["change"], describe(c["what"]), c["run_id"], c["captured_at"]) for c in changes]
+        if rows:
+            _print_rows(cols, rows, fmt, max_rows=max_rows)
+    else:
+        _print_rows(cols, [tuple(c[k] for k in cols) for c in changes], fmt)
+
+
+@cli.command("maintain")
+@warehouse_option
+@click.option("--retention-days", type=click.FloatRange(min=0), default=None,
+              help="Keep history this long (default: $FEATUREHOUSE_RETENTION_DAYS, else 90).")
+@click.option("--grace-minutes", type=click.FloatRange(min=0), default=60.0, show_default=True,
+              help="Files no snapshot uses are deleted once they are this old (readers may still hold them).")
+def maintain_cmd(warehouse, retention_days, grace_minutes) -> None:
+    """Expire old snapshots, merge small files and delete files nothing references."""
+    from datetime import timedelta
+
+    from .maintain import maintain
+
+    settings = Settings.from_env(warehouse=warehouse)
+    try:
+        r = maintain(settings, retention_days=retention_days, grace=timedelta(minutes=grace_minutes))
+    except _USER_ERRORS as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"snapshots {r.snapshots_before} -> {r.snapshots_after} ({r.snapshots_expired} older than "
+               f"{r.retention_days:g} days expired); "
+               f"data files {r.files_before} -> {r.files_after} ({r.bytes_before:,} -> {r.bytes_after:,} bytes) "
+               f"in {r.seconds:.1f}s")
+
+
+@cli.command("upgrade")
+@warehouse_option
+def upgrade_cmd(warehouse) -> None:
+    """Bring the warehouse's schema up to this release (any write command also does)."""
+    settings = Settings.from_env(warehouse=warehouse)
+    with _open(settings, migrate=False) as conn:
+        before = warehouse_mod.schema_version(conn)
+        applied = warehouse_mod.apply_migrations(conn, settings)
+    after = before + len(applied)
+    click.echo(f"schema version {before} -> {after}" if applied else f"schema version {before}: up to date")
+
+
+@cli.command("migrate")
+@click.argument("old", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@warehouse_option
+def migrate_cmd(old, warehouse) -> None:
+    """Move a single-file DuckDB warehouse of an earlier release into a lakehouse warehouse.
+
+    Every row, run, quarantine record and validation result is kept; the old file is left as it
+    was (delete it once you are satisfied). The target defaults to the old file's folder.
+    """
+    from .legacy import LegacyMigrationError, migrate_file
+
+    settings = Settings.from_env(warehouse=warehouse or old.parent)
+    try:
+        counts = migrate_file(old, settings)
+    except (LegacyMigrationError, *_USER_ERRORS) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"migrated {old} -> {settings.warehouse}: " + ", ".join(f"{n} {t}" for t, n in counts.items() if n))
+
+
+@cli.command("shell")
+@warehouse_option
+@click.option("--print", "print_only", is_flag=True, help="Print the statements that attach the warehouse, "
+              "for any DuckDB client, instead of opening the shell.")
+def shell_cmd(warehouse, print_only) -> None:
+    """Open the DuckDB CLI with the warehouse attached read-only."""
+    import shutil
+
+    settings = Settings.from_env(warehouse=warehouse)
+    _open(settings, read_only=True).close()  # a clear error now, rather than one inside the shell
+    lines = warehouse_mod.attach_sql(settings, read_only=True)
+    if print_only:
+        click.echo("\n".join(lines))
+        return
+    exe = shutil.which("duckdb", path=str(Path(sys.executable).parent)) or shutil.which("duckdb")
+    if exe is None:
+        raise click.ClickException("the DuckDB CLI is not installed: pip install duckdb-cli")
+    os.execv(exe, [exe, "-cmd", " ".join(lines)])
 
 
 # --- fetch ---------------------------------------------------------------------------------

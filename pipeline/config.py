@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 SCHEMAS_DIR = Path(os.environ.get("FEATUREHOUSE_SCHEMAS", Path(__file__).resolve().parent.parent / "schemas"))
-DEFAULT_WAREHOUSE = Path("warehouse") / "featurehouse.duckdb"
+DEFAULT_WAREHOUSE = Path("warehouse")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -17,7 +17,12 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError as exc:
-        raise ValueError(f"{name} must be an integer number of bytes or items, got {raw!r}") from exc
+        raise ValueError(f"{name} must be a whole number, got {raw!r}") from exc
+
+
+def _env_str(name: str) -> str | None:
+    raw = os.environ.get(name)
+    return raw.strip() if raw and raw.strip() else None
 
 
 @dataclass(frozen=True)
@@ -25,7 +30,25 @@ class Settings:
     """Where the warehouse lives and the limits an ingest run enforces."""
 
     warehouse: Path = field(default=DEFAULT_WAREHOUSE)
-    """DuckDB file; `$FEATUREHOUSE_WAREHOUSE`, else ./warehouse/featurehouse.duckdb."""
+    """The warehouse folder; `$FEATUREHOUSE_WAREHOUSE`, else ./warehouse. Holds the embedded
+    catalog (catalog.sqlite), the Parquet data (data/), the landing area, reports and Great
+    Expectations' files, unless the settings below put some of them elsewhere."""
+
+    catalog: str | None = None
+    """The DuckLake catalog: `sqlite:<file>` or `postgres:<libpq connection string>`;
+    `$FEATUREHOUSE_CATALOG`, else `sqlite:<warehouse>/catalog.sqlite`."""
+
+    data_path: str | None = None
+    """Where DuckLake writes Parquet data files: a folder or `s3://bucket/prefix/`;
+    `$FEATUREHOUSE_DATA_PATH`, else `<warehouse>/data/`. Read from the catalog once it exists."""
+
+    landing: str | None = None
+    """The content-addressed landing area: a folder or `s3://bucket/prefix/`;
+    `$FEATUREHOUSE_LANDING`, else `<warehouse>/landing`."""
+
+    retention_days: int = 90
+    """Snapshots (history) older than this are expired by `featurehouse maintain`;
+    `$FEATUREHOUSE_RETENTION_DAYS`."""
 
     max_input_bytes: int = 256 * 1024 * 1024
     """Largest input accepted for parsing, as received; `$FEATUREHOUSE_MAX_INPUT_BYTES`."""
@@ -43,29 +66,73 @@ class Settings:
     `$FEATUREHOUSE_BATCH_BYTES`."""
 
     reports_dir: Path | None = None
-    """Where HTML reports go; default `reports/` beside the warehouse."""
+    """Where HTML reports go; `$FEATUREHOUSE_REPORTS`, else `reports/` in the warehouse folder."""
+
+    commit_attempts: int = 8
+    """Attempts of a load transaction that lost a commit race (a conflict in the catalog)
+    before the run fails; `$FEATUREHOUSE_COMMIT_ATTEMPTS`."""
+
+    lock_timeout: float = 3600.0
+    """Seconds a writer waits for the warehouse's commit lock; `$FEATUREHOUSE_LOCK_TIMEOUT`."""
+
+    @property
+    def catalog_url(self) -> str:
+        """The catalog as DuckLake names it after ``ducklake:`` (``sqlite:...`` or ``postgres:...``)."""
+        return self.catalog or f"sqlite:{(self.warehouse / 'catalog.sqlite').absolute()}"
+
+    @property
+    def catalog_kind(self) -> str:
+        kind = self.catalog_url.split(":", 1)[0].lower()
+        return "postgres" if kind in ("postgres", "postgresql") else kind
+
+    @property
+    def data_url(self) -> str:
+        """Where new Parquet files go (a folder ending in ``/`` or an ``s3://`` prefix)."""
+        if self.data_path:
+            return self.data_path if self.data_path.endswith("/") else self.data_path + "/"
+        return f"{(self.warehouse / 'data').absolute()}/"
+
+    @property
+    def landing_url(self) -> str:
+        return self.landing or str((self.warehouse / "landing").absolute())
 
     @property
     def landing_dir(self) -> Path:
-        """Content-addressed store of every input, beside the warehouse."""
-        return self.warehouse.parent / "landing"
+        """The landing area as a local folder (see ``landing_url`` for an ``s3://`` one)."""
+        return Path(self.landing_url)
 
     @property
     def report_dir(self) -> Path:
-        return self.reports_dir if self.reports_dir is not None else self.warehouse.parent / "reports"
+        return self.reports_dir if self.reports_dir is not None else self.warehouse / "reports"
+
+    @property
+    def gx_dir(self) -> Path:
+        """Great Expectations' file data context (stored results, Data Docs)."""
+        return self.warehouse
+
+    @property
+    def uses_s3(self) -> bool:
+        return any(u.startswith("s3://") for u in (self.data_url, self.landing_url))
 
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Resolve settings at call time: explicit overrides, then environment, then defaults."""
+        reports = _env_str("FEATUREHOUSE_REPORTS")
         base = cls(
-            warehouse=Path(os.environ.get("FEATUREHOUSE_WAREHOUSE") or DEFAULT_WAREHOUSE),
+            warehouse=Path(_env_str("FEATUREHOUSE_WAREHOUSE") or DEFAULT_WAREHOUSE),
+            catalog=_env_str("FEATUREHOUSE_CATALOG"),
+            data_path=_env_str("FEATUREHOUSE_DATA_PATH"),
+            landing=_env_str("FEATUREHOUSE_LANDING"),
+            retention_days=_env_int("FEATUREHOUSE_RETENTION_DAYS", cls.retention_days),
             max_input_bytes=_env_int("FEATUREHOUSE_MAX_INPUT_BYTES", cls.max_input_bytes),
             max_decompressed_bytes=_env_int(
                 "FEATUREHOUSE_MAX_DECOMPRESSED_BYTES", cls.max_decompressed_bytes
             ),
             batch_activations=_env_int("FEATUREHOUSE_BATCH_ACTIVATIONS", cls.batch_activations),
             batch_bytes=_env_int("FEATUREHOUSE_BATCH_BYTES", cls.batch_bytes),
-            reports_dir=Path(os.environ["FEATUREHOUSE_REPORTS"]) if os.environ.get("FEATUREHOUSE_REPORTS") else None,
+            reports_dir=Path(reports) if reports else None,
+            commit_attempts=_env_int("FEATUREHOUSE_COMMIT_ATTEMPTS", cls.commit_attempts),
+            lock_timeout=float(_env_str("FEATUREHOUSE_LOCK_TIMEOUT") or cls.lock_timeout),
         )
         known = {f.name for f in fields(cls)}
         clean = {k: v for k, v in overrides.items() if v is not None and k in known}

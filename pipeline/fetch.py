@@ -760,7 +760,7 @@ def ingest_fetched(
         if e.get("status") == "landed":
             path = Path(e["landed_path"])
             if path.exists():
-                inputs.append(Input(origin=e["url"], path=path))
+                inputs.append(Input(origin=e["url"], path=path, captured_at=_fetched_at(e)))
                 continue
             e = e | {"status": "failed", "last_error": f"landed file {path} is missing; fetch again"}
         if e.get("status") in ("failed", "not_found"):
@@ -768,8 +768,8 @@ def ingest_fetched(
     # The report is written after fetch_failures holds this run's rows: it lists them and judges by them.
     summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False)
     now = utcnow()
-    with warehouse.connect(settings.warehouse) as conn:
-        conn.execute("BEGIN TRANSACTION")
+
+    def record(conn) -> None:
         conn.execute("DELETE FROM fetch_failures WHERE run_id = ?", [run_id])
         if failures:
             conn.executemany(
@@ -778,12 +778,22 @@ def ingest_fetched(
                 [[run_id, window, e["url"], e["key"], e["status"], e.get("attempts"), e.get("last_error"),
                   now] for e in failures],
             )
-        conn.execute("COMMIT")
-    if report_after:
-        try:  # imported here: charts pull in Altair and vl-convert, only when a report is wanted
-            from . import report
 
-            summary.report_path = str(report.write_report(settings.warehouse, run_id, settings=settings))
-        except Exception:  # as in ingest: a report that cannot be written does not fail the run
-            log.exception("could not write the report for run %s", run_id)
+    with warehouse.connect(settings) as conn:
+        warehouse.transaction(conn, settings, record, message=f"run {run_id} fetch failures",
+                              extra={"run_id": run_id})
+        if report_after:  # as in ingest: a report that cannot be written does not fail the run
+            from .ingest import _write_report
+
+            _write_report(conn, summary, settings)
     return summary
+
+
+def _fetched_at(entry: dict[str, Any]):
+    """When a manifest entry's body was fetched (naive UTC), the capture time of what it landed."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(entry["fetched_at"]) if entry.get("fetched_at") else None
+    except ValueError:
+        return None

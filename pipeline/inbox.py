@@ -115,7 +115,7 @@ def drain_inbox(
     result.run = summary.as_dict()
 
     digests = {path: _sha256(path) for path in files}
-    conn = warehouse.connect(settings.warehouse, read_only=True)
+    conn = warehouse.connect(settings, read_only=True)
     try:
         landed = {
             sha for (sha,) in conn.execute(

@@ -14,9 +14,9 @@ import os
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +27,22 @@ from tqdm import tqdm
 from . import materialise, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
-from .load import insert_rows, passed, upsert_staged, utcnow
+from .load import (
+    DATA_TABLES,
+    REFERENCE_KEYS,
+    STAGED_ACTIVATIONS,
+    claim_captures,
+    insert_rows,
+    replace_staged,
+    upsert_reference,
+    utcnow,
+)
 from .names import check_run_id
-from .parse import Rejected, first_line, gunzip_file_size, parse_bytes
+from .parse import Rejected, first_line, gunzip_measure, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
 
-__all__ = ["RunSummary", "ingest", "new_run_id"]
+__all__ = ["RunSummary", "ingest", "new_run_id", "record_report"]
 
 log = logging.getLogger("featurehouse")
 
@@ -61,22 +70,39 @@ class RunSummary:
     n_activations: int = 0
     n_explanations: int = 0
     n_quarantined: int = 0
+    n_superseded: int = 0
     n_expectations: int = 0
     n_expectations_failed: int = 0
     seconds: float = 0.0
+    commits: int = 0
+    commit_retries: int = 0
+    lock_wait_seconds: float = 0.0
+    commit_seconds: float = 0.0
     rejected: list[dict[str, str]] = field(default_factory=list)
     report_path: str | None = None
+    stats: warehouse.CommitStats = field(default_factory=warehouse.CommitStats, repr=False)
+    """Accumulates over the run's transactions; copied into the fields above."""
+
+    def sync_commit_stats(self) -> dict[str, float]:
+        self.commits, self.commit_retries = self.stats.commits, self.stats.retries
+        self.lock_wait_seconds = round(self.stats.lock_wait_seconds, 3)
+        self.commit_seconds = round(self.stats.commit_seconds, 3)
+        return {k: getattr(self, k) for k in _COMMIT_FIELDS}
 
     def as_dict(self) -> dict[str, Any]:
+        self.sync_commit_stats()
         d = asdict(self)
+        d.pop("stats")
         d["rejected"] = d["rejected"][:50]
         return d
 
 
 _COUNTERS = (
     "n_received", "n_landed", "n_duplicates", "n_loaded", "n_rejected", "n_features",
-    "n_activations", "n_explanations", "n_quarantined", "n_expectations", "n_expectations_failed",
+    "n_activations", "n_explanations", "n_quarantined", "n_superseded", "n_expectations",
+    "n_expectations_failed",
 )
+_COMMIT_FIELDS = ("commits", "commit_retries", "lock_wait_seconds", "commit_seconds")
 
 
 class _Batch:
@@ -139,17 +165,27 @@ def _export_table(data: bytes) -> str | None:
 
 
 _DATA_TABLES = tuple(validate.SUITES)
+assert set(_DATA_TABLES) == set(DATA_TABLES)
+
+
+def _mtime(path: Path | None) -> datetime:
+    """A file's modification time as naive UTC (now for bytes in hand)."""
+    if path is None:
+        return utcnow()
+    return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).replace(tzinfo=None)
 
 
 class _Run:
     def __init__(self, conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
-                 reprocess: bool, materialise: bool = True):
+                 reprocess: bool, materialise: bool = True, source_stats: bool = True):
         self.conn = conn
         self.materialise = materialise
+        self.source_stats = source_stats
         self.settings = settings
         self.summary = summary
         self.reprocess = reprocess
         self.batch_no = 0
+        self.captured: dict[str, datetime] = {}  # input digest → when this capture was made
         # Inputs already landed. Those refused only for a size limit are looked at again: raising
         # FEATUREHOUSE_MAX_* is how a person acts on that reason, so the outcome may change.
         rows = conn.execute(
@@ -200,78 +236,80 @@ class _Run:
         stage.create_views(conn)
 
         try:
+            loaded_inputs = [(landed, fmt) for landed, fmt, reason in batch.inputs if reason is None]
+            conn.register("_batch_inputs", pa.table({
+                "input_sha256": pa.array([landed.sha256 for landed, _ in loaded_inputs], pa.string()),
+                "captured_at": pa.array([self.captured.get(landed.sha256) for landed, _ in loaded_inputs],
+                                        pa.timestamp("us")),
+                "is_page": pa.array([not fmt.endswith("export_jsonl") for _, fmt in loaded_inputs], pa.bool_()),
+            }))
+            conn.execute("CREATE OR REPLACE TEMP TABLE batch_inputs AS SELECT * FROM _batch_inputs")
+            conn.unregister("_batch_inputs")
+            # Rival captures of a feature in this batch: the newest loads, the others are
+            # superseded before validation (so they are not refused as duplicates).
+            superseded = claim_captures(conn)
             outcome = validate.validate_batch(conn, {t: None for t in _DATA_TABLES})
             try:  # Great Expectations' own record of the batch, for its Data Docs; never fails a run
-                validate.store_results(self.settings.warehouse.parent, run_id, self.batch_no, now, outcome)
+                validate.store_results(self.settings.gx_dir, run_id, self.batch_no, now, outcome)
             except Exception:
                 log.exception("could not store Great Expectations results for batch %d", self.batch_no)
-            self._load(batch, outcome, now)
+            self._load(batch, outcome, superseded, now)
         finally:
             stage.drop(conn)
 
-    def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, now) -> None:
+    def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, superseded: list[dict], now) -> None:
+        """Commit the batch: one transaction, one snapshot, under the commit lock, retried whole
+        if it loses a commit race. Everything that need not see the committed state (the
+        quarantined records as received, the bookkeeping rows) is prepared before it."""
         conn, s, run_id = self.conn, self.summary, self.summary.run_id
         failed = sorted({(q["table"], q["row"]) for q in outcome.quarantine})
         conn.register("_failed", pa.table({"tbl": pa.array([t for t, _ in failed], pa.string()),
                                            "_row": pa.array([r for _, r in failed], pa.int64())}))
         conn.execute("CREATE OR REPLACE TEMP TABLE failed_rows AS SELECT * FROM _failed")
         conn.unregister("_failed")
-        conn.execute("BEGIN TRANSACTION")
-        try:
-            loaded_by_sha: dict[str, Counter] = {}
-            for table in stage.STAGED_TABLES:
-                data = table in _DATA_TABLES
-                per_sha = upsert_staged(conn, table, now, run_id if data else None)
-                if data:
-                    for sha, n in per_sha.items():
-                        loaded_by_sha.setdefault(sha, Counter())[table] += n
-                    setattr(s, f"n_{table}", getattr(s, f"n_{table}") + sum(per_sha.values()))
 
-            if self.materialise:  # stats for this batch's features, in the same transaction
-                conn.execute(
-                    f"""CREATE OR REPLACE TEMP TABLE changed_features AS
-                        SELECT DISTINCT model_id, source_id, feature_index {passed('activations')}
-                        UNION
-                        SELECT model_id, source_id, feature_index {passed('features')}"""
-                )
-                materialise.refresh_changed(conn)
+        raw_by_row = {}
+        for table in _DATA_TABLES:
+            raws = stage.raw_records(conn, table, [r for t, r in failed if t == table])
+            raw_by_row.update({(table, r): v for r, v in raws.items()})
+        quarantine = []
+        for q in outcome.quarantine:
+            sha, raw = raw_by_row[(q["table"], q["row"])]
+            quarantine.append({
+                "run_id": run_id, "input_sha256": sha, "record_kind": q["record_kind"],
+                "record_key": q["record_key"], "check_name": q["check_name"], "detail": q["detail"],
+                "record_json": raw, "quarantined_at": now,
+            })
+        results = [dict(r, run_id=run_id, batch_no=self.batch_no, validated_at=now) for r in outcome.results]
+        run_inputs = list(batch.run_inputs) + [
+            {"run_id": run_id, "input_sha256": landed.sha256, "origin": landed.input.origin,
+             "outcome": "rejected" if reason else "loaded"}
+            for landed, _, reason in batch.inputs
+        ]
+        shas = [landed.sha256 for landed, _, _ in batch.inputs]
 
-            raw_by_row = {}
-            for table in _DATA_TABLES:
-                raws = stage.raw_records(conn, table, [r for t, r in failed if t == table])
-                raw_by_row.update({(table, r): v for r, v in raws.items()})
-            quarantine = []
-            for q in outcome.quarantine:
-                sha, raw = raw_by_row[(q["table"], q["row"])]
-                quarantine.append({
-                    "run_id": run_id, "input_sha256": sha, "record_kind": q["record_kind"],
-                    "record_key": q["record_key"], "check_name": q["check_name"], "detail": q["detail"],
-                    "record_json": raw, "quarantined_at": now,
-                })
+        def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+            loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess)
+            for table in REFERENCE_KEYS:
+                upsert_reference(conn, table, now)
+            if self.materialise:  # stats of the features this batch changed, in the same snapshot
+                materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS)
+            gone = [dict(r, run_id=run_id, recorded_at=now) for r in superseded + older]
+            insert_rows(conn, "superseded", gone)
             # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.
-            conn.execute("DELETE FROM quarantine WHERE list_contains($shas, input_sha256)",
-                         {"shas": [landed.sha256 for landed, _, _ in batch.inputs]})
+            conn.execute("DELETE FROM quarantine WHERE list_contains($shas, input_sha256)", {"shas": shas})
             insert_rows(conn, "quarantine", quarantine)
-            s.n_quarantined += len(failed)
-            results = [dict(r, run_id=run_id, batch_no=self.batch_no, validated_at=now) for r in outcome.results]
             insert_rows(conn, "validation_results", results)
-            s.n_expectations += len(results)
-            s.n_expectations_failed += sum(not r["success"] for r in results)
-
             raw_rows = []
             for landed, fmt, reason in batch.inputs:
-                counts = loaded_by_sha.get(landed.sha256, Counter())
                 raw_rows.append({
                     "input_sha256": landed.sha256, "origin": landed.input.origin, "format": fmt,
                     "n_bytes": landed.n_bytes, "received_at": now, "run_id": run_id,
+                    "captured_at": self.captured.get(landed.sha256),
                     "status": "rejected" if reason else "loaded", "reason": reason,
                     "landed_path": str(landed.path),
-                    "n_features": counts["features"], "n_activations": counts["activations"],
-                    "n_explanations": counts["explanations"],
+                    **{f"n_{t}": loaded[t].get(landed.sha256, 0) for t in _DATA_TABLES},
                 })
-                batch.run_inputs.append({"run_id": run_id, "input_sha256": landed.sha256,
-                                         "origin": landed.input.origin,
-                                         "outcome": "rejected" if reason else "loaded"})
             if raw_rows:
                 # A reprocessed input keeps its first origin, run and receipt time; only what
                 # parsing decided (format, status, reason, counts) is updated.
@@ -287,15 +325,21 @@ class _Run:
                     "WHERE input_sha256 NOT IN (SELECT input_sha256 FROM raw_inputs)"
                 )
                 conn.unregister("_raw_rows")
-            insert_rows(conn, "run_inputs", batch.run_inputs)
+            insert_rows(conn, "run_inputs", run_inputs)
+            delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
+            delta |= {"n_quarantined": len(failed), "n_superseded": len(gone), "n_expectations": len(results),
+                      "n_expectations_failed": sum(not r["success"] for r in results)}
+            counts = {c: getattr(s, c) + delta.get(c, 0) for c in _COUNTERS} | s.sync_commit_stats()
             conn.execute(
-                "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in _COUNTERS) + " WHERE run_id = $run_id",
-                {c: getattr(s, c) for c in _COUNTERS} | {"run_id": run_id},
+                "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
+                counts | {"run_id": run_id},
             )
-            conn.execute("COMMIT")
-        except Exception:
-            conn.execute("ROLLBACK")
-            raise
+            return delta
+
+        delta = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
+                                      extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+        for c, n in delta.items():
+            setattr(s, c, getattr(s, c) + n)
 
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
@@ -303,6 +347,7 @@ class _Run:
         if landed.sha256 in self.seen_before_this_attempt:
             return  # an earlier attempt of this run already counted and recorded it
         s.n_received += 1
+        self.captured.setdefault(landed.sha256, item.captured_at or _mtime(item.path))
         if (landed.sha256 in self.known and not self.reprocess) or landed.sha256 in self.seen_this_run:
             s.n_duplicates += 1
             batch.run_inputs.append({"run_id": s.run_id, "input_sha256": landed.sha256,
@@ -314,16 +359,21 @@ class _Run:
         if landed.data is not None and _duckdb_readable(landed.data):
             batch.fast.append(replace(landed, data=None))  # DuckDB reads it from the landing area
             batch.n_bytes += landed.n_bytes
+            # its activations, for the batch limit: each carries one "tokens" key (a cheap count;
+            # the page itself is not parsed in Python)
+            batch.n_activations += landed.data.count(b'"tokens"')
         elif (table := _export_table(landed.data or _head(landed.path))) is not None:
             # An export batch: DuckDB streams it from the landing area, however large. It is
             # checked whole first (CRC, end marker, size limit), never held in memory.
             try:
-                size = gunzip_file_size(landed.path, self.settings.max_decompressed_bytes)
+                size, lines = gunzip_measure(landed.path, self.settings.max_decompressed_bytes)
             except Rejected as exc:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
             batch.exports.setdefault(table, []).append(replace(landed, data=None))
             batch.n_bytes += size
+            if table == "activations":  # one row a line; a file is never split across batches
+                batch.n_activations += lines
         elif landed.data is None:
             reason = (
                 f"input is {landed.n_bytes:,} bytes, over the {self.settings.max_input_bytes:,}-byte "
@@ -375,36 +425,30 @@ def ingest(
     reprocess: bool = False,
     progress: bool | None = None,
     materialise_after: bool = True,
+    source_stats: bool = True,
     report_after: bool = True,
 ) -> RunSummary:
     """Ingest files, folders or in-memory inputs into the warehouse, and return what happened.
 
     Re-sending bytes already landed changes nothing (they are counted as duplicates) unless
     ``reprocess`` is set. Raises only when the run itself fails (the warehouse cannot be
-    written); bad inputs are recorded, never raised. With ``materialise_after`` (the default)
-    the activation statistics of each batch's features are refreshed in that batch's load
-    transaction, so memory stays bounded and the stats always match what is committed. With ``report_after`` (the default) the
-    run's HTML report is written last (``summary.report_path``); a report that cannot be written
-    is logged and does not fail the run. Raises ``names.BadRunId`` for a ``run_id`` that
-    cannot name the run's files (it names its report).
+    written); bad inputs are recorded, never raised. Each batch is committed as one snapshot
+    named after the run. With ``materialise_after`` (the default) the activation statistics of
+    each batch's features are refreshed in that batch's transaction, so memory stays bounded and
+    the stats always match what is committed; ``source_stats=False`` leaves the per-source
+    aggregates to a later ``materialise`` (parallel loads of one source). With ``report_after``
+    (the default) the run's HTML report is written last (``summary.report_path``); a report
+    that cannot be written is logged and does not fail the run.
     """
     settings = settings or Settings.from_env()
     todo, total = _expand(inputs)
     run_id = check_run_id(run_id or new_run_id())  # it names the report: refuse "../x" before writing
     summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse))
     started = time.monotonic()
-    conn = warehouse.connect(settings.warehouse)
+    conn = warehouse.connect(settings, create=True)
     try:
-        existing = conn.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
-        if existing:  # a retry of the same run: carry on from what its earlier attempts counted
-            stored = conn.execute(f"SELECT {', '.join(_COUNTERS)} FROM runs WHERE run_id = ?", [run_id]).fetchone()
-            for name, value in zip(_COUNTERS, stored):
-                setattr(summary, name, value or 0)
-            conn.execute("UPDATE runs SET status = 'running', started_at = ?, finished_at = NULL, error = NULL WHERE run_id = ?", [utcnow(), run_id])
-        else:
-            conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",
-                         [run_id, utcnow(), trigger])
-        run = _Run(conn, settings, summary, reprocess, materialise_after)
+        _start_run(conn, settings, summary, trigger)
+        run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats)
         batch = _Batch()
         show = progress if progress is not None else (total is None or total > 20)
         with tqdm(total=total, unit="input", disable=not show, desc="ingest") as bar:
@@ -421,20 +465,59 @@ def ingest(
     except BaseException as exc:
         summary.status = "failed"
         try:
-            conn.execute("UPDATE runs SET status = 'failed', finished_at = ?, error = ? WHERE run_id = ?",
-                         [utcnow(), f"{type(exc).__name__}: {exc}", run_id])
-        except duckdb.Error:
-            pass
+            _finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
+        except Exception:
+            log.exception("could not record that run %s failed", run_id)
         if report_after and isinstance(exc, Exception):
             _write_report(conn, summary, settings)
         conn.close()
         raise
     summary.seconds = round(time.monotonic() - started, 3)
-    conn.execute("UPDATE runs SET status = ?, finished_at = ? WHERE run_id = ?", [summary.status, utcnow(), run_id])
+    _finish_run(conn, settings, summary)
     if report_after:
         _write_report(conn, summary, settings)
     conn.close()
     return summary
+
+
+def _start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary, trigger: str) -> None:
+    """Record the run as running; a retry of the same run id carries on from its counts."""
+    def body(conn: duckdb.DuckDBPyConnection) -> None:
+        stored = conn.execute(f"SELECT {', '.join(_COUNTERS + _COMMIT_FIELDS)} FROM runs WHERE run_id = ?",
+                              [summary.run_id]).fetchone()
+        if stored:  # a retry of the same run: carry on from what its earlier attempts counted
+            for name, value in zip(_COUNTERS, stored):
+                setattr(summary, name, value or 0)
+            st = summary.stats
+            st.commits, st.retries, st.lock_wait_seconds, st.commit_seconds = (v or 0 for v in stored[len(_COUNTERS):])
+            conn.execute("UPDATE runs SET status = 'running', started_at = ?, finished_at = NULL, error = NULL "
+                         "WHERE run_id = ?", [utcnow(), summary.run_id])
+        else:
+            conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",
+                         [summary.run_id, utcnow(), trigger])
+
+    warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} started",
+                          extra={"run_id": summary.run_id}, stats=summary.stats)
+
+
+def _finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
+                error: str | None = None) -> None:
+    def body(c: duckdb.DuckDBPyConnection) -> None:
+        stats = summary.sync_commit_stats()
+        c.execute("UPDATE runs SET status = $status, finished_at = $at, error = $error, "
+                  + ", ".join(f"{k} = ${k}" for k in stats) + " WHERE run_id = $run_id",
+                  {"status": summary.status, "at": utcnow(), "error": error, "run_id": summary.run_id} | stats)
+
+    warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} {summary.status}",
+                          extra={"run_id": summary.run_id}, stats=summary.stats)
+
+
+def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path) -> None:
+    """Record where a run's HTML report was written (``runs.report_path``)."""
+    warehouse.transaction(
+        conn, settings, lambda c: c.execute("UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id]),
+        message=f"run {run_id} report", extra={"run_id": run_id},
+    )
 
 
 def _write_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
@@ -443,6 +526,8 @@ def _write_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings
     try:
         from . import report  # charts pull in Altair and vl-convert: only when a report is wanted
 
-        summary.report_path = str(report.write_report(conn, summary.run_id, settings=settings))
+        path = report.write_report(conn, summary.run_id, settings=settings)
+        summary.report_path = str(path)
+        record_report(conn, settings, summary.run_id, path)
     except Exception:
         log.exception("could not write the report for run %s", summary.run_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .receive import Input
@@ -65,7 +65,7 @@ def land(item: Input, landing_dir: Path, max_bytes: int) -> Landed:
     size = item.path.stat().st_size
     if size <= max_bytes:
         data = item.path.read_bytes()
-        return land(Input(item.origin, item.path, data), landing_dir, max_bytes)
+        return land(replace(item, data=data), landing_dir, max_bytes)
     # Too large to parse: hash while streaming into a temp file, then move it into place. Any
     # error on the way (a full disk, an unreadable source, Ctrl-C) removes the partial copy.
     landing_dir.mkdir(parents=True, exist_ok=True)

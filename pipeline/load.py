@@ -1,4 +1,24 @@
-"""Load stage: upsert a validated, staged batch into the warehouse tables, in one transaction."""
+"""Load stage: a validated, staged batch into the warehouse, each feature capture as a snapshot.
+
+A feature page is a snapshot of its feature: loading one replaces that feature's row, its
+activations and its explanations, so rows missing from the new capture are gone from the
+current tables. A bulk-export batch of features, activations or explanations replaces, for
+each feature it holds, that feature's rows of its own table only (a source's three kinds of
+export batches number features differently and arrive separately).
+
+Every capture carries the time it was made (fetched, else the file's modification time). For
+each (feature, table) the newest capture wins; ties go to the larger input digest, so the
+outcome never depends on arrival order:
+
+* ``claim_captures`` (before validation) picks the winner among captures of one feature in the
+  same batch and drops the others' records, which are recorded as superseded;
+* ``replace_staged`` (inside the load transaction, under the commit lock) compares each winner
+  with the capture already loaded (``feature_captures``): an older capture is recorded as
+  superseded and loads nothing; a newer one replaces the feature's rows.
+
+An activation (or explanation) id is unique in its table: a capture that brings an id another
+feature holds takes it over, and that feature's statistics are refreshed too.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +29,31 @@ import pyarrow as pa
 
 from .records import ARROW_SCHEMAS
 
-__all__ = ["UPSERT_KEYS", "passed", "upsert_staged", "insert_rows", "utcnow"]
+__all__ = [
+    "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
+    "insert_rows", "utcnow",
+]
 
-#: The natural key each loaded table is upserted by.
-UPSERT_KEYS: dict[str, tuple[str, ...]] = {
+#: The tables a capture replaces per feature.
+DATA_TABLES = ("features", "activations", "explanations")
+
+#: The natural key of each reference table (models, source sets, sources): replaced by key when
+#: their content changes, left alone (no new snapshot data) when it does not.
+REFERENCE_KEYS: dict[str, tuple[str, ...]] = {
     "models": ("model_id",),
     "source_sets": ("model_id", "source_set_name"),
     "sources": ("model_id", "source_id"),
-    "features": ("model_id", "source_id", "feature_index"),
-    "activations": ("activation_id",),
-    "explanations": ("explanation_id",),
 }
+
+_FEATURE_KEY = ("model_id", "source_id", "feature_index")
+
+#: After ``replace_staged``: the batch's activations that now make up their features, and
+#: those features' keys (what ``materialise.refresh_changed(staged=...)`` takes).
+STAGED_ACTIVATIONS = (
+    "SELECT s.* FROM stage_activations s JOIN incoming_activations USING (_row)",
+    "SELECT DISTINCT model_id, source_id, feature_index FROM incoming_activations",
+)
+_ROW_IDS = {"activations": "activation_id", "explanations": "explanation_id"}
 
 
 def utcnow() -> datetime:
@@ -32,27 +66,162 @@ def passed(table: str) -> str:
     return f"FROM stage_{table} WHERE _row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')"
 
 
-def upsert_staged(conn: duckdb.DuckDBPyConnection, table: str, now: datetime,
-                  run_id: str | None = None) -> dict[str, int]:
-    """Upsert the staged records of ``table`` that passed validation; return loaded counts per input.
+def _on(a: str, b: str, cols: tuple[str, ...] = _FEATURE_KEY) -> str:
+    return " AND ".join(f"{a}.{c} = {b}.{c}" for c in cols)
 
-    Rows whose key is staged are replaced, then the staged rows inserted by column name, with
-    ``loaded_at`` (and ``run_id`` for data tables). The caller holds the transaction. A delete +
-    insert keeps the large tables free of indexes, which DuckDB would otherwise maintain on
-    every load; on an empty table the delete is skipped.
+
+def claim_captures(conn: duckdb.DuckDBPyConnection) -> list[dict]:
+    """Decide, inside the batch, which capture of each (feature, table) loads.
+
+    Needs the temp table ``batch_inputs(input_sha256, captured_at, is_page)`` and the staged
+    tables. Leaves the winners in ``batch_claims`` (one row per feature and table), removes the
+    losers' records from the staged tables, and returns the losers as ``superseded`` rows
+    (without run id and time).
     """
-    cols = ", ".join(f'"{f.name}"' for f in ARROW_SCHEMAS[table])
-    good = passed(table)
-    params: dict = {"now": now}
-    meta = "input_sha256, $now AS loaded_at"
-    if run_id is not None:
-        params["run_id"] = run_id
-        meta += ", $run_id AS run_id"
-    if conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]:
-        cond = " AND ".join(f"t.{k} = s.{k}" for k in UPSERT_KEYS[table])
-        conn.execute(f"DELETE FROM {table} AS t USING (SELECT * {good}) AS s WHERE {cond}")
-    conn.execute(f"INSERT INTO {table} BY NAME SELECT {cols}, {meta} {good}", params)
-    return dict(conn.execute(f"SELECT input_sha256, count(*) {good} GROUP BY 1").fetchall())
+    key_ok = " AND ".join(f"s.{c} IS NOT NULL" for c in _FEATURE_KEY)
+    parts = [f"""
+        SELECT s.model_id, s.source_id, s.feature_index, t.table_name, s.input_sha256
+        FROM stage_features s JOIN batch_inputs b USING (input_sha256)
+        CROSS JOIN (VALUES ('features'), ('activations'), ('explanations')) t(table_name)
+        WHERE b.is_page AND {key_ok}"""]
+    for table in DATA_TABLES:
+        parts.append(f"""
+            SELECT s.model_id, s.source_id, s.feature_index, '{table}', s.input_sha256
+            FROM stage_{table} s JOIN batch_inputs b USING (input_sha256)
+            WHERE NOT b.is_page AND {key_ok}""")
+    conn.execute(f"""
+        CREATE OR REPLACE TEMP TABLE all_claims AS
+        SELECT c.*, b.captured_at,
+               row_number() OVER (PARTITION BY c.model_id, c.source_id, c.feature_index, c.table_name
+                                  ORDER BY b.captured_at DESC NULLS LAST, c.input_sha256 DESC) AS rank
+        FROM ({' UNION '.join(parts)}) AS c JOIN batch_inputs b USING (input_sha256)""")
+    conn.execute("CREATE OR REPLACE TEMP TABLE batch_claims AS SELECT * EXCLUDE (rank) FROM all_claims WHERE rank = 1")
+    cur = conn.execute("""
+        SELECT l.input_sha256, l.model_id, l.source_id, l.feature_index, l.table_name, l.captured_at,
+               w.input_sha256 AS kept_input_sha256, w.captured_at AS kept_captured_at,
+               'a newer capture of this feature came in the same batch' AS reason
+        FROM all_claims l JOIN batch_claims w USING (model_id, source_id, feature_index, table_name)
+        WHERE l.rank > 1 ORDER BY ALL""")
+    cols = [d[0] for d in cur.description]
+    losers = [dict(zip(cols, r)) for r in cur.fetchall()]
+    if losers:
+        from .stage import keep_staged
+
+        for table in DATA_TABLES:
+            keep_staged(conn, table, f"""NOT EXISTS (
+                SELECT 1 FROM all_claims l WHERE l.rank > 1 AND l.table_name = '{table}'
+                AND l.input_sha256 = s.input_sha256 AND {_on('l', 's')})""")
+    conn.execute("DROP TABLE all_claims")
+    return losers
+
+
+def _decide(conn: duckdb.DuckDBPyConnection, reprocess: bool) -> None:
+    """``capture_decisions``: each winner against the committed capture; ``applied``: those that load."""
+    conn.execute("""
+        CREATE OR REPLACE TEMP TABLE capture_decisions AS
+        SELECT w.*, c.captured_at AS loaded_captured_at, c.input_sha256 AS loaded_input_sha256,
+               CASE WHEN c.input_sha256 IS NULL THEN 'new'
+                    WHEN w.input_sha256 = c.input_sha256
+                         AND w.captured_at IS NOT DISTINCT FROM c.captured_at THEN 'same'
+                    WHEN (coalesce(w.captured_at, TIMESTAMP '0001-01-01'), w.input_sha256)
+                         > (coalesce(c.captured_at, TIMESTAMP '0001-01-01'), c.input_sha256) THEN 'newer'
+                    ELSE 'older' END AS decision
+        FROM batch_claims w
+        LEFT JOIN feature_captures c USING (model_id, source_id, feature_index, table_name)""")
+    applied = "('new', 'newer', 'same')" if reprocess else "('new', 'newer')"
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE applied AS SELECT * FROM capture_decisions WHERE decision IN {applied}")
+
+
+def _incoming(conn: duckdb.DuckDBPyConnection, table: str) -> None:
+    """``incoming_<table>``: the staged rows of ``table`` that load (passed validation, and
+    their capture applies), by ``_row``, with their keys and capture time, not their contents."""
+    row_id = f", s.{_ROW_IDS[table]}" if table in _ROW_IDS else ""
+    conn.execute(f"""
+        CREATE OR REPLACE TEMP TABLE incoming_{table} AS
+        SELECT s._row, s.input_sha256, s.model_id, s.source_id, s.feature_index{row_id},
+               a.captured_at AS captured_at_
+        FROM stage_{table} s
+        JOIN applied a ON {_on('a', 's')} AND a.table_name = '{table}' AND a.input_sha256 = s.input_sha256
+        WHERE s._row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')""")
+
+
+def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *,
+                   reprocess: bool = False) -> tuple[dict[str, dict[str, int]], list[dict]]:
+    """Replace, for every capture that applies, its feature's rows; the caller holds the
+    transaction (and the commit lock).
+
+    Returns the rows loaded per table and input, and the captures superseded by an already
+    loaded newer one. Leaves the features whose activations changed in the temp table
+    ``changed_features``, and the rows that loaded in ``incoming_<table>`` (see
+    :data:`STAGED_ACTIVATIONS`).
+    """
+    _decide(conn, reprocess)
+    # a feature's activation statistics change when its activations do
+    conn.execute("CREATE OR REPLACE TEMP TABLE changed_features AS SELECT DISTINCT model_id, source_id, "
+                 "feature_index FROM applied WHERE table_name = 'activations'")
+    loaded: dict[str, dict[str, int]] = {}
+    for table in DATA_TABLES:
+        _incoming(conn, table)
+        incoming = f"incoming_{table}"
+        has_rows = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
+        row_id = _ROW_IDS.get(table)
+        if has_rows:
+            claims = f"(SELECT * FROM applied WHERE table_name = '{table}')"
+            if row_id:
+                # ids the batch brings that another feature holds now: that feature loses them
+                if table == "activations":
+                    conn.execute(f"""
+                        INSERT INTO changed_features
+                        SELECT DISTINCT t.model_id, t.source_id, t.feature_index FROM {table} t
+                        WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
+                          AND NOT EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
+                conn.execute(f"""
+                    DELETE FROM {table} AS t WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
+                    OR EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
+            else:
+                conn.execute(f"DELETE FROM {table} AS t USING {claims} AS a WHERE {_on('t', 'a')}")
+        cols = ", ".join(f's."{f.name}"' for f in ARROW_SCHEMAS[table])
+        conn.execute(
+            f"""INSERT INTO {table} BY NAME
+                SELECT {cols}, s.input_sha256, i.captured_at_ AS captured_at, $now AS loaded_at,
+                       $run_id AS run_id
+                FROM stage_{table} s JOIN {incoming} i USING (_row)""",
+            {"now": now, "run_id": run_id},
+        )
+        loaded[table] = dict(conn.execute(f"SELECT input_sha256, count(*) FROM {incoming} GROUP BY 1").fetchall())
+    conn.execute("""DELETE FROM feature_captures AS t USING applied AS a
+                    WHERE t.model_id = a.model_id AND t.source_id = a.source_id
+                      AND t.feature_index = a.feature_index AND t.table_name = a.table_name""")
+    conn.execute("""INSERT INTO feature_captures BY NAME
+                    SELECT model_id, source_id, feature_index, table_name, captured_at, input_sha256,
+                           $run_id AS run_id, $now AS loaded_at FROM applied""",
+                 {"now": now, "run_id": run_id})
+    cur = conn.execute("""
+        SELECT input_sha256, model_id, source_id, feature_index, table_name, captured_at,
+               loaded_input_sha256 AS kept_input_sha256, loaded_captured_at AS kept_captured_at,
+               'older than the capture already loaded' AS reason
+        FROM capture_decisions WHERE decision = 'older' ORDER BY ALL""")
+    cols = [d[0] for d in cur.description]
+    older = [dict(zip(cols, r)) for r in cur.fetchall()]
+    return loaded, older
+
+
+def upsert_reference(conn: duckdb.DuckDBPyConnection, table: str, now: datetime) -> int:
+    """Replace the staged rows of a reference table whose content differs from the stored
+    row with the same key; identical rows are left alone. Returns rows written."""
+    cols = [f.name for f in ARROW_SCHEMAS[table]]
+    sel = ", ".join(f'"{c}"' for c in cols)
+    same = " AND ".join(f't."{c}" IS NOT DISTINCT FROM s."{c}"' for c in cols)
+    conn.execute(f"""CREATE OR REPLACE TEMP TABLE new_{table} AS
+                     SELECT * FROM stage_{table} AS s WHERE NOT EXISTS (SELECT 1 FROM {table} AS t WHERE {same})""")
+    (n,) = conn.execute(f"SELECT count(*) FROM new_{table}").fetchone()
+    if n:
+        on = " AND ".join(f"t.{k} = c.{k}" for k in REFERENCE_KEYS[table])
+        conn.execute(f"DELETE FROM {table} AS t USING new_{table} AS c WHERE {on}")
+        conn.execute(f"INSERT INTO {table} BY NAME SELECT {sel}, input_sha256, $now AS loaded_at FROM new_{table}",
+                     {"now": now})
+    conn.execute(f"DROP TABLE new_{table}")
+    return n
 
 
 def insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: list[dict]) -> int:

@@ -6,9 +6,10 @@ from dataclasses import asdict, dataclass
 
 import duckdb
 
-from .config import SCHEMAS_DIR
+from .config import SCHEMAS_DIR, Settings
+from .warehouse import CATALOG, transaction
 
-__all__ = ["MaterialiseResult", "refresh", "refresh_changed"]
+__all__ = ["MaterialiseResult", "refresh", "refresh_changed", "refresh_run"]
 
 
 @dataclass(frozen=True)
@@ -28,35 +29,77 @@ def _sql(name: str) -> str:
     return (SCHEMAS_DIR / "sql" / f"{name}.sql").read_text()
 
 
-def refresh(conn: duckdb.DuckDBPyConnection, run_id: str | None = None) -> MaterialiseResult:
-    """Recompute stats for the features a run loaded (``run_id``), or for all features (None).
+def refresh(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str | None = None) -> MaterialiseResult:
+    """Recompute the statistics of the features a run changed (``run_id``), or of every
+    feature (None), and of their sources: one transaction, one snapshot.
 
-    The features changed by a run are derived from the rows it wrote, so a crash between load
-    and materialise is mended by running this again. One transaction.
+    A run's features come from the snapshots it committed, so a crash between load and
+    materialise is mended by running this again, and a later run that reloaded some of them
+    does not hide them.
     """
-    where = "WHERE run_id = $run_id" if run_id is not None else ""
-    params = {"run_id": run_id} if run_id is not None else {}
-    conn.execute("BEGIN TRANSACTION")
-    try:
-        conn.execute(
-            f"""CREATE OR REPLACE TEMP TABLE changed_features AS
-                SELECT DISTINCT model_id, source_id, feature_index FROM activations {where}
-                UNION
-                SELECT DISTINCT model_id, source_id, feature_index FROM features {where}""",
-            params,
-        )
-        result = refresh_changed(conn)
-        conn.execute("COMMIT")
-    except Exception:
-        conn.execute("ROLLBACK")
-        raise
-    return result
+    def body(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
+        if run_id is None:
+            conn.execute(
+                """CREATE OR REPLACE TEMP TABLE changed_features AS
+                   SELECT DISTINCT model_id, source_id, feature_index FROM activations
+                   UNION SELECT model_id, source_id, feature_index FROM features
+                   UNION SELECT model_id, source_id, feature_index FROM feature_activation_stats"""
+            )
+        else:
+            conn.execute(f"CREATE OR REPLACE TEMP TABLE changed_features AS {_run_features(conn, run_id)}",
+                         {"run_id": run_id})
+        return refresh_changed(conn)
+
+    return transaction(conn, settings, body, message=f"materialise {run_id or 'all'}",
+                       extra={"run_id": run_id} if run_id else {})
 
 
-def refresh_changed(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
+def _run_features(conn: duckdb.DuckDBPyConnection, run_id: str) -> str:
+    """The features ``run_id`` changed: from the change feed of its snapshots while they are
+    kept, and from the captures it loaded (which outlive expired snapshots)."""
+    (first, last) = conn.execute(
+        f"""SELECT min(snapshot_id), max(snapshot_id) FROM {CATALOG}.snapshots()
+            WHERE TRY_CAST(commit_extra_info AS JSON)->>'run_id' = $run_id""", {"run_id": run_id}
+    ).fetchone()
+    parts = ["SELECT model_id, source_id, feature_index FROM feature_captures WHERE run_id = $run_id"]
+    if first is not None:
+        for t in ("features", "activations", "explanations"):
+            parts.append(
+                f"""SELECT model_id, source_id, feature_index
+                    FROM ducklake_table_changes('{CATALOG}', 'main', '{t}', {int(first)}, {int(last)})
+                    WHERE snapshot_id IN (SELECT snapshot_id FROM {CATALOG}.snapshots()
+                                          WHERE TRY_CAST(commit_extra_info AS JSON)->>'run_id' = $run_id)"""
+            )
+    return " UNION ".join(parts)
+
+
+_STATS_COLUMNS = 'model_id, source_id, feature_index, data_source, max_value, tokens, "values"'
+
+
+def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
+                    staged: tuple[str, str] | None = None) -> MaterialiseResult:
     """Recompute stats for the features in the temp table ``changed_features(model_id,
-    source_id, feature_index)`` and for their sources. The caller holds the transaction (ingest
-    calls this inside each batch's load, so stats always match what is committed)."""
+    source_id, feature_index)`` and, with ``sources``, for their sources. The caller holds the
+    transaction (ingest calls this inside each batch's load, so stats always match what is
+    committed).
+
+    ``staged``, inside a load, is a pair of queries: the batch's activations that now make up
+    their features (the activation columns and the feature key), and those features' keys.
+    Their stats are computed from the staged rows in memory instead of reading back what the
+    load just wrote; the other changed features are read from the table.
+    """
+    if staged is None:
+        conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
+                         SELECT {_STATS_COLUMNS} FROM activations
+                         SEMI JOIN changed_features USING (model_id, source_id, feature_index)""")
+    else:
+        rows, keys = staged
+        conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
+                         SELECT {_STATS_COLUMNS} FROM ({rows})
+                         UNION ALL
+                         SELECT {_STATS_COLUMNS} FROM activations
+                         SEMI JOIN (SELECT * FROM changed_features EXCEPT {keys})
+                         USING (model_id, source_id, feature_index)""")
     conn.execute(
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
         "SELECT DISTINCT model_id, source_id FROM changed_features"
@@ -67,12 +110,15 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
         "AND f.feature_index = c.feature_index"
     )
     conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})")
-    conn.execute(
-        "DELETE FROM source_activation_stats s USING changed_sources c "
-        "WHERE s.model_id = c.model_id AND s.source_id = c.source_id"
-    )
-    conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})")
-    (n_f,) = conn.execute("SELECT count(*) FROM changed_features").fetchone()
+    if sources:
+        conn.execute(
+            "DELETE FROM source_activation_stats s USING changed_sources c "
+            "WHERE s.model_id = c.model_id AND s.source_id = c.source_id"
+        )
+        conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})")
+    (n_f,) = conn.execute(
+        "SELECT count(*) FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)"
+    ).fetchone()
     (n_s,) = conn.execute("SELECT count(*) FROM changed_sources").fetchone()
     (r_f,) = conn.execute(
         "SELECT count(*) FROM feature_activation_stats SEMI JOIN changed_features "
@@ -82,3 +128,12 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
         "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
     ).fetchone()
     return MaterialiseResult(n_f, n_s, r_f, r_s)
+
+
+def refresh_run(where: Settings | str, run_id: str | None = None) -> MaterialiseResult:
+    """Open the warehouse (Settings or folder) and :func:`refresh` a run's features (or all)."""
+    from . import warehouse
+
+    settings = warehouse.settings_for(where)
+    with warehouse.connect(settings) as conn:
+        return refresh(conn, settings, run_id)

@@ -34,7 +34,7 @@ from .records import (
     SourceSet,
 )
 
-__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_file_size", "first_line"]
+__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_measure", "first_line"]
 
 
 class Rejected(ValueError):
@@ -90,14 +90,15 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
     return b"".join(_gunzip_chunks(data, limit))
 
 
-def gunzip_file_size(path: Path, limit: int) -> int:
-    """The decompressed size of a gzip file, checked whole (CRC, end marker) and within
-    ``limit``, streamed 1 MiB at a time: memory stays flat however large the file."""
-    produced = 0
+def gunzip_measure(path: Path, limit: int) -> tuple[int, int]:
+    """The decompressed size and line count of a gzip file, checked whole (CRC, end marker)
+    and within ``limit``, streamed 1 MiB at a time: memory stays flat however large the file."""
+    produced = lines = 0
     try:
         with gzip.open(path, "rb") as f:
             while chunk := f.read(1 << 20):
                 produced += len(chunk)
+                lines += chunk.count(b"\n")
                 if produced > limit:
                     raise Rejected(
                         f"gzip input expands past the {_fmt_bytes(limit)} limit "
@@ -110,7 +111,7 @@ def gunzip_file_size(path: Path, limit: int) -> int:
         ) from exc
     except (gzip.BadGzipFile, zlib.error) as exc:
         raise Rejected(f"gzip data is corrupt ({exc}); re-download or re-export the file") from exc
-    return produced
+    return produced, lines
 
 
 def first_line(data: bytes, limit: int = 1 << 20) -> bytes | None:

@@ -123,8 +123,8 @@ class Plan:
     """The file this plan was read from."""
     schedule: str = DEFAULT_SCHEDULE
     """Cron expression for the nightly run, in UTC."""
-    warehouse: Path = Path("warehouse/featurehouse.duckdb")
-    """DuckDB file; relative paths are taken from the config file's folder."""
+    warehouse: Path = Path("warehouse")
+    """The warehouse folder; relative paths are taken from the config file's folder."""
     inbox: Path = Path("inbox")
     """Folder the inbox DAG drains; relative paths are taken from the config file's folder."""
     inbox_settle_seconds: float = 30.0
@@ -297,7 +297,7 @@ def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Envi
         config_path=config_path,
         schedule=cron,
         warehouse=Path(env["FEATUREHOUSE_WAREHOUSE"]) if env.get("FEATUREHOUSE_WAREHOUSE")
-        else path_of(paths.get("warehouse", "warehouse/featurehouse.duckdb")),
+        else path_of(paths.get("warehouse", "warehouse")),
         inbox=Path(env["FEATUREHOUSE_INBOX"]) if env.get("FEATUREHOUSE_INBOX")
         else path_of(paths.get("inbox", "inbox")),
         inbox_settle_seconds=_positive(

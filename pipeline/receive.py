@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 __all__ = ["Input", "InputNotFound", "iter_inputs"]
@@ -22,6 +23,9 @@ class Input:
     """Where it came from: a file path or a URL."""
     path: Path | None = None
     data: bytes | None = None
+    captured_at: datetime | None = None
+    """When this capture of the page was made (naive UTC): the fetch time for fetched bodies;
+    None means the file's modification time (or, for bytes in hand, the time it is landed)."""
 
     @property
     def size(self) -> int:

@@ -30,7 +30,7 @@ from . import warehouse as warehouse_mod
 from .config import Settings
 from .names import BadRunId, check_run_id
 
-__all__ = ["VERDICT_RULES", "Verdict", "verdict", "write_report", "NoRuns", "RunNotFound"]
+__all__ = ["VERDICT_RULES", "Verdict", "verdict", "write_report", "report_run", "NoRuns", "RunNotFound"]
 
 log = logging.getLogger("featurehouse")
 
@@ -532,11 +532,6 @@ def _human_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def _warehouse_path(conn: duckdb.DuckDBPyConnection) -> Path | None:
-    row = conn.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()
-    return Path(row[0]) if row and row[0] else None
-
-
 #: Columns added to a ``runs`` row for the report: its duration and its failed fetches.
 _RUN_EXTRA = """epoch(finished_at - started_at) AS seconds,
     (SELECT count(*) FROM fetch_failures f WHERE f.run_id = runs.run_id AND f.status = 'failed') AS n_fetch_failed,
@@ -562,72 +557,66 @@ def _rel(target: Path, start: Path) -> str:
 
 
 def write_report(
-    conn_or_warehouse: duckdb.DuckDBPyConnection | str | os.PathLike,
+    conn_or_warehouse: duckdb.DuckDBPyConnection | str | os.PathLike | Settings,
     run_id: str | None = None,
     out_dir: Path | None = None,
     settings: Settings | None = None,
 ) -> Path:
     """Write the HTML report of one run (default: the latest) and refresh the runs index.
 
-    ``conn_or_warehouse`` is an open warehouse connection or the warehouse file. Writes
-    ``<out_dir>/<run_id>.html`` and ``<out_dir>/index.html``; ``out_dir`` defaults to
-    ``settings.report_dir`` (``reports/`` beside the warehouse). Builds the run's Great
-    Expectations Data Docs under ``<warehouse dir>/gx/`` and links them. Records the report's
-    path in ``runs.report_path`` when the connection is writable. Returns the report's path.
+    ``conn_or_warehouse`` is an open warehouse connection, or the warehouse (its folder or its
+    Settings), which is then opened read-only. Writes ``<out_dir>/<run_id>.html`` and
+    ``<out_dir>/index.html``; ``out_dir`` defaults to ``settings.report_dir`` (``reports/`` in
+    the warehouse folder). Builds the run's Great Expectations Data Docs under
+    ``<warehouse>/gx/`` and links them. Returns the report's path (``ingest`` records it in
+    ``runs.report_path``).
 
-    Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report,
-    ``warehouse.WarehouseMissing`` when the warehouse file does not exist, and
+    Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report, and
+    ``warehouse.WarehouseMissing`` when the warehouse does not exist, and
     ``names.BadRunId`` when the run id cannot name a file (it names the report).
     """
     if run_id is not None:
         check_run_id(run_id)
     if isinstance(conn_or_warehouse, duckdb.DuckDBPyConnection):
         conn, own = conn_or_warehouse, False
-        wh = settings.warehouse if settings else _warehouse_path(conn)
+        settings = settings or Settings.from_env()
     else:
-        wh = Path(conn_or_warehouse)
-        if not wh.exists():
-            raise warehouse_mod.WarehouseMissing(f"no warehouse at {wh}: run `featurehouse ingest` first")
-        conn, own = warehouse_mod.connect(wh), True
+        settings = settings or warehouse_mod.settings_for(conn_or_warehouse)
+        conn, own = warehouse_mod.connect(settings, read_only=True), True
     try:
-        settings = settings or Settings.from_env(warehouse=wh)
         out_dir = Path(out_dir) if out_dir is not None else settings.report_dir
-        return _write(conn, run_id, out_dir, settings, wh)
+        return _write(conn, run_id, out_dir, settings)
     finally:
         if own:
             conn.close()
 
 
-def _write(conn, run_id, out_dir: Path, settings: Settings, wh: Path | None) -> Path:
+def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
     started = time.monotonic()
     run = _run_row(conn, run_id)
     run_id = check_run_id(run["run_id"])  # the latest run, too, may predate the check
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = _gather(conn, run)
     ctx["charts"] = _charts(ctx)
-    ctx["warehouse"] = str(wh) if wh else "(in memory)"
-    ctx["data_docs"] = _data_docs(wh, run_id, out_dir)
+    ctx["warehouse"] = str(settings.warehouse)
+    ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir)
     ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     from . import __version__
 
     ctx["version"] = __version__
     path = out_dir / f"{run_id}.html"
     _atomic_write(path, _env().get_template("run.html.j2").render(**ctx))
-    try:
-        conn.execute("UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id])
-    except duckdb.Error:  # a read-only connection: the report is written, its path just not recorded
-        pass
     _write_index(conn, out_dir)
     log.info("report for %s written to %s in %.2fs", run_id, path, time.monotonic() - started)
     return path
 
 
-def _data_docs(wh: Path | None, run_id: str, out_dir: Path) -> dict[str, Any] | None:
+def _data_docs(gx_project: Path, run_id: str, out_dir: Path) -> dict[str, Any] | None:
     """Build Great Expectations' Data Docs for the run; links relative to the report."""
-    if wh is None or not (wh.parent / "gx").exists():
+    if not (gx_project / "gx").exists():
         return None
     try:
-        pages = validate.build_data_docs(wh.parent, run_id)
+        pages = validate.build_data_docs(gx_project, run_id)
     except Exception:
         log.exception("could not build Great Expectations Data Docs for run %s", run_id)
         return None
@@ -661,3 +650,15 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
+
+
+def report_run(where: Settings | str | os.PathLike, run_id: str) -> dict[str, str]:
+    """Write a run's report (reading the warehouse read-only), then record its path in
+    ``runs.report_path``; what the nightly DAG's report task returns."""
+    from .ingest import record_report
+
+    settings = warehouse_mod.settings_for(where)
+    path = write_report(settings, run_id, settings=settings)
+    with warehouse_mod.connect(settings) as conn:
+        record_report(conn, settings, run_id, path)
+    return {"run_id": run_id, "report_path": str(path)}

@@ -22,6 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,6 +40,7 @@ LOCATION_KEYS = frozenset({
     "FEATUREHOUSE_CONFIG",
     "FEATUREHOUSE_SCHEMAS",
     "FEATUREHOUSE_WAREHOUSE",
+    "FEATUREHOUSE_CATALOG",
     "FEATUREHOUSE_INBOX",
 })
 
@@ -90,7 +92,8 @@ def airflow_env(home: Path, **overrides: str) -> dict[str, str]:
         "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(home / "logs"),
         "FEATUREHOUSE_CONFIG": str(REPO / "featurehouse.toml"),
         "FEATUREHOUSE_SCHEMAS": str(REPO / "schemas"),
-        "FEATUREHOUSE_WAREHOUSE": str(home / "data" / "warehouse" / "featurehouse.duckdb"),
+        "FEATUREHOUSE_WAREHOUSE": str(home / "data" / "warehouse"),
+        "FEATUREHOUSE_CATALOG": "",  # the embedded catalog in the warehouse folder, unless a test gives one
         "FEATUREHOUSE_INBOX": str(home / "data" / "inbox"),
         "AIRFLOW__API_AUTH__JWT_SECRET": "featurehouse-test-jwt-secret-" + home.name,
         "PATH": f"{AIRFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -173,9 +176,27 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return [runuser, "-u", "postgres", "--", *cmd] if runuser else ["su", "postgres", "-s", "/bin/sh", "-c", " ".join(cmd)]
 
 
+@dataclass(frozen=True)
+class Postgres:
+    """A running throwaway cluster: Airflow's database URL and the warehouse catalog's."""
+
+    url: str
+    """SQLAlchemy URL of Airflow's metadata database."""
+    catalog: str
+    """``postgres:<libpq string>`` of the featurehouse database (deploy/postgres-init.sql)."""
+
+    def __str__(self) -> str:
+        return self.url
+
+
+INIT_SQL = DEPLOY / "postgres-init.sql"
+
+
 @contextlib.contextmanager
-def postgres_cluster(user: str = "airflow", password: str = "airflow", db: str = "airflow") -> Iterator[str]:
-    """Initialise and start a throwaway PostgreSQL cluster; yield its SQLAlchemy URL; stop and delete it."""
+def postgres_cluster(user: str = "airflow", password: str = "airflow", db: str = "airflow") -> Iterator[Postgres]:
+    """Initialise and start a throwaway PostgreSQL cluster, with the databases the deployment's
+    postgres service makes (Airflow's, and deploy/postgres-init.sql's); yield them; stop and
+    delete it."""
     bindir = pg_bin()
     if bindir is None:
         raise AssertionError("PostgreSQL is not installed (apt-get install postgresql; .ci/run does it)")
@@ -197,9 +218,14 @@ def postgres_cluster(user: str = "airflow", password: str = "airflow", db: str =
     subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-o", opts,
                                  "-w", "-t", "60", "start"]), check=True, capture_output=True, timeout=90)
     try:
+        pg_env = {**os.environ, "PGPASSWORD": password}
         subprocess.run(_as_postgres([str(bindir / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", user, db]),
-                       check=True, capture_output=True, timeout=60, env={**os.environ, "PGPASSWORD": password})
-        yield f"postgresql+psycopg2://{user}:{password}@127.0.0.1:{port}/{db}"
+                       check=True, capture_output=True, timeout=60, env=pg_env)
+        subprocess.run([str(bindir / "psql"), "-h", "127.0.0.1", "-p", str(port), "-U", user, "-d", db,
+                        "-v", "ON_ERROR_STOP=1", "-f", str(INIT_SQL)], check=True, capture_output=True, timeout=60,
+                       env=pg_env)
+        yield Postgres(f"postgresql+psycopg2://{user}:{password}@127.0.0.1:{port}/{db}",
+                       f"postgres:dbname=featurehouse host=127.0.0.1 port={port} user={user} password={password}")
     finally:
         subprocess.run(_as_postgres([str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"]),
                        capture_output=True, timeout=60)

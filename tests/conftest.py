@@ -21,7 +21,8 @@ SEED_NOT_A_PAGE = FIXTURES / "002_cdcf7f83dd4b10f8.txt"
 BAD_ACTIVATION = "d8mimkvxz30oar3222exnhh6"
 
 #: Columns that say when and from where a row was loaded, not what it holds.
-META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quarantined_at", "received_at")
+META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quarantined_at", "received_at",
+                "captured_at")
 
 
 def _find(obj, key):
@@ -106,20 +107,28 @@ def good_page(index: int = 7, *, model: str = "gpt-oss-20b", source: str = "11-r
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(warehouse=tmp_path / "wh" / "featurehouse.duckdb")
+    return Settings(warehouse=tmp_path / "wh")
 
 
-def query(warehouse: Path, sql: str, params=None) -> list[tuple]:
-    with duckdb.connect(str(warehouse), read_only=True) as conn:
+def open_warehouse(warehouse: Path | Settings) -> duckdb.DuckDBPyConnection:
+    """The warehouse read-only, as `featurehouse sql` opens it (a folder resolves the rest from
+    the environment)."""
+    from pipeline import warehouse as wh
+
+    return wh.connect(warehouse, read_only=True)
+
+
+def query(warehouse: Path | Settings, sql: str, params=None) -> list[tuple]:
+    with open_warehouse(warehouse) as conn:
         return conn.execute(sql, params or []).fetchall()
 
 
-def table_rows(warehouse: Path, table: str, exclude: tuple[str, ...] = META_COLUMNS) -> list[tuple]:
+def table_rows(warehouse: Path | Settings, table: str, exclude: tuple[str, ...] = META_COLUMNS) -> list[tuple]:
     """Every row of ``table`` without its load metadata, in a stable order."""
-    with duckdb.connect(str(warehouse), read_only=True) as conn:
+    with open_warehouse(warehouse) as conn:
         cols = [c for (c,) in conn.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position",
-            [table]).fetchall() if c not in exclude]
+            "SELECT column_name FROM duckdb_columns() WHERE database_name = 'featurehouse' AND table_name = ? "
+            "ORDER BY column_index", [table]).fetchall() if c not in exclude]
         sel = ", ".join(f'"{c}"' for c in cols)
         return conn.execute(f"SELECT {sel} FROM {table} ORDER BY ALL").fetchall()
 

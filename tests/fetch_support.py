@@ -7,9 +7,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import duckdb
-
 from pipeline.config import Settings
+from tests.conftest import open_warehouse
 from tests.fake_neuronpedia import MODEL, SOURCE, small_pages
 
 __all__ = ["FAST", "MODEL", "SOURCE", "pages", "query", "scalar", "settings_in"]
@@ -31,11 +30,11 @@ def pages(n: int) -> list[dict]:
 
 
 def settings_in(path: Path) -> Settings:
-    return Settings.from_env(warehouse=path / "featurehouse.duckdb")
+    return Settings.from_env(warehouse=path)
 
 
 def query(settings: Settings, sql: str, params: list | None = None) -> list[tuple]:
-    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+    with open_warehouse(settings.warehouse) as conn:
         return conn.execute(sql, params or []).fetchall()
 
 

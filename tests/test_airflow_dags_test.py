@@ -10,12 +10,12 @@ import socket
 from datetime import datetime
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from pipeline.inbox import DONE_DIR, pending_files
 from pipeline.plan import run_id_for, window_for
 from tests.airflow_helpers import REPO, airflow, airflow_env, fake_neuronpedia_server, init
+from tests.conftest import open_warehouse
 
 pytestmark = pytest.mark.airflow
 
@@ -35,7 +35,7 @@ indices = ["0:60", "150", "500"]
 
 
 def q(warehouse, sql, params=None):
-    with duckdb.connect(str(warehouse), read_only=True) as conn:
+    with open_warehouse(warehouse) as conn:
         return conn.execute(sql, params or []).fetchall()
 
 

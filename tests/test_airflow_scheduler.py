@@ -12,9 +12,9 @@ import secrets
 import shutil
 from pathlib import Path
 
-import duckdb
 import pytest
 
+from pipeline.config import Settings
 from pipeline.inbox import pending_files
 from tests.airflow_helpers import (
     AIRFLOW,
@@ -31,6 +31,7 @@ from tests.airflow_helpers import (
     wait_for_port,
     wait_until,
 )
+from tests.conftest import open_warehouse
 
 pytestmark = [pytest.mark.airflow, pytest.mark.scheduler]
 
@@ -56,10 +57,11 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
     password = secrets.token_urlsafe(12)
     port = free_port()
     (tmp_path / "featurehouse.toml").write_text(CONFIG)
-    with fake_neuronpedia_server(tmp_path / "fake.log") as fake, postgres_cluster() as db_url:
+    with fake_neuronpedia_server(tmp_path / "fake.log") as fake, postgres_cluster() as pg:
         env = airflow_env(
             tmp_path / "home",
-            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=db_url,
+            AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=pg.url,
+            FEATUREHOUSE_CATALOG=pg.catalog,  # as docker-compose.yml: the catalog in its own database
             AIRFLOW__API__PORT=str(port),
             AIRFLOW__API__HOST="127.0.0.1",
             AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
@@ -112,8 +114,8 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
             assert all(t["state"] == "success" for t in tis["task_instances"])
             writers = {t["task_id"]: t["pool"] for t in tis["task_instances"] if t["task_id"] != "fetch"}
             assert writers == {"plan": "default_pool", "ingest": "warehouse_writer",
-                               "materialise": "warehouse_writer", "report": "warehouse_writer",
-                               "all_fetched": "default_pool"}
+                               "materialise": "warehouse_writer", "report": "default_pool",
+                               "maintain": "warehouse_writer", "all_fetched": "default_pool"}
         finally:
             for proc in reversed(list(procs.values())):
                 stop(proc)
@@ -121,10 +123,18 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
         for name, proc in procs.items():
             assert proc.returncode is not None, f"{name} still running"
 
-    assert pending_files(inbox) == ([], 0)
-    with duckdb.connect(env["FEATUREHOUSE_WAREHOUSE"], read_only=True) as conn:
-        assert conn.execute("SELECT count(*) FROM features WHERE feature_index < 40").fetchone()[0] == 40
-        assert conn.execute("SELECT count(*) FROM features WHERE feature_index = 45698").fetchone()[0] == 1
-        assert conn.execute("SELECT count(*) FROM raw_inputs WHERE status = 'rejected'").fetchone()[0] == 1
-        statuses = conn.execute("SELECT DISTINCT status FROM runs WHERE trigger = 'airflow'").fetchall()
-        assert statuses == [("succeeded",)]
+        assert pending_files(inbox) == ([], 0)
+        # the warehouse's catalog is in PostgreSQL; its folder holds data files, landing, reports
+        assert not (Path(env["FEATUREHOUSE_WAREHOUSE"]) / "catalog.sqlite").exists()
+        assert list((Path(env["FEATUREHOUSE_WAREHOUSE"]) / "data").rglob("*.parquet"))
+        with open_warehouse(Settings(warehouse=Path(env["FEATUREHOUSE_WAREHOUSE"]), catalog=pg.catalog)) as conn:
+            assert conn.execute("SELECT count(*) FROM features WHERE feature_index < 40").fetchone()[0] == 40
+            assert conn.execute("SELECT count(*) FROM features WHERE feature_index = 45698").fetchone()[0] == 1
+            assert conn.execute("SELECT count(*) FROM raw_inputs WHERE status = 'rejected'").fetchone()[0] == 1
+            # the two DAGs' runs, each batch a snapshot named after its run
+            runs = {r for (r,) in conn.execute(
+                "SELECT DISTINCT commit_extra_info::JSON->>'run_id' FROM featurehouse.snapshots() "
+                "WHERE commit_extra_info::JSON->>'run_id' IS NOT NULL").fetchall()}
+            assert {r for (r,) in conn.execute("SELECT run_id FROM runs").fetchall()} <= runs
+            statuses = conn.execute("SELECT DISTINCT status FROM runs WHERE trigger = 'airflow'").fetchall()
+            assert statuses == [("succeeded",)]

@@ -90,7 +90,7 @@ def cli_run(tmp_path_factory, gzip_bomb):
         inputs[name] = path
     assert len({hashlib.sha256(p.read_bytes()).digest() for p in inputs.values()}) == len(inputs)
     env = dict(os.environ, FEATUREHOUSE_MAX_DECOMPRESSED_BYTES=str(BOMB_LIMIT))
-    wh = root / "wh" / "featurehouse.duckdb"
+    wh = root / "wh"
     proc = subprocess.run([str(FEATUREHOUSE), "ingest", str(inbox), "--warehouse", str(wh), "--no-progress"],
                           env=env, capture_output=True, text=True, timeout=300)
     return proc, wh, inputs

@@ -28,7 +28,7 @@ def fh(*args: str, env: dict | None = None, cwd: Path | None = None) -> subproce
 
 @pytest.fixture(scope="module")
 def warehouse(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    wh = tmp_path_factory.mktemp("cli") / "wh" / "featurehouse.duckdb"
+    wh = tmp_path_factory.mktemp("cli") / "wh"
     return wh, fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress")
 
 

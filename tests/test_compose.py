@@ -79,8 +79,8 @@ def test_init_runs_the_script_the_tests_run():
     assert init == ["bash", str(Path(copied_to("deploy")) / INIT_SCRIPT.name)]
     text = INIT_SCRIPT.read_text()
     assert "airflow db migrate" in text
-    # the pools every DAG names, with the writer pool at one slot
-    assert re.search(r"airflow pools set warehouse_writer 1 ", text)
+    # the pools every DAG names; the writer pool bounds memory, not correctness (commit lock)
+    assert re.search(r"airflow pools set warehouse_writer \"\$\{FEATUREHOUSE_WRITER_SLOTS:-2\}\" ", text)
     assert re.search(r"airflow pools set neuronpedia_api ", text)
     assert "AIRFLOW_ADMIN_PASSWORD" in SVC["airflow-init"]["environment"]
 
@@ -119,11 +119,24 @@ def test_places_agree_with_the_services_and_the_image():
     assert ENV["FEATUREHOUSE_SCHEMAS"] == copied_to("schemas")
 
 
+def test_the_catalog_is_its_own_database_on_the_deployments_postgres():
+    pg = SVC["postgres"]["environment"]
+    kind, _, conninfo = ENV["FEATUREHOUSE_CATALOG"].partition(":")
+    fields = dict(part.split("=", 1) for part in conninfo.split())
+    assert kind == "postgres" and fields["host"] == "postgres"
+    assert (fields["user"], fields["password"]) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"])
+    assert fields["dbname"] != pg["POSTGRES_DB"], "the catalog must not share Airflow's database"
+    # the database is made by the same file the tests' PostgreSQL runs
+    init = [v for v in SVC["postgres"]["volumes"] if "docker-entrypoint-initdb.d" in v]
+    assert init and init[0].split(":")[0] == "./deploy/postgres-init.sql"
+    assert f"CREATE DATABASE {fields['dbname']};" in (REPO / "deploy" / "postgres-init.sql").read_text()
+
+
 @pytest.mark.parametrize("name", ["airflow-init", *AIRFLOW_SERVICES])
 def test_volumes_hold_the_warehouse_the_landing_area_and_the_inbox(name):
     m = mounts(SVC[name])
     settings = Settings(warehouse=Path(ENV["FEATUREHOUSE_WAREHOUSE"]))
-    assert m[str(settings.warehouse.parent)] == "warehouse"
+    assert m[str(settings.warehouse)] == "warehouse"  # data files, reports, Great Expectations' files
     assert m[str(settings.landing_dir)] == "landing"  # where the pipeline lands inputs
     assert ENV["FEATUREHOUSE_INBOX"] in m
     assert m[str(Path(ENV["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]).parent)] == "airflow-auth"

@@ -18,7 +18,8 @@ from pipeline.plan import load_plan
 from tests.airflow_helpers import REPO, airflow_env
 
 DAGS = REPO / "dags"
-WRITERS = {"featurehouse_nightly": {"ingest", "materialise", "report"}, "featurehouse_inbox": {"drain"}}
+#: Tasks that load or rewrite the warehouse: in the pool that bounds how many run at once (memory).
+WRITERS = {"featurehouse_nightly": {"ingest", "materialise", "maintain"}, "featurehouse_inbox": {"drain"}}
 
 _PROBE = r"""
 import json, sys
@@ -90,7 +91,7 @@ def test_house_rules(bag, dag_id):
 
 
 @pytest.mark.parametrize("dag_id", ["featurehouse_nightly", "featurehouse_inbox"])
-def test_writing_tasks_use_the_one_slot_pool_and_nothing_else_does(bag, dag_id):
+def test_writing_tasks_use_the_writer_pool_and_nothing_else_does(bag, dag_id):
     tasks = bag["dags"][dag_id]["tasks"]
     assert {t for t, v in tasks.items() if v["pool"] == "warehouse_writer"} == WRITERS[dag_id]
 
@@ -98,12 +99,13 @@ def test_writing_tasks_use_the_one_slot_pool_and_nothing_else_does(bag, dag_id):
 def test_nightly_shape(bag):
     dag = bag["dags"]["featurehouse_nightly"]
     t = dag["tasks"]
-    assert dag["sorted"] == ["plan", "fetch", "ingest", "materialise", "report", "all_fetched"]
+    assert dag["sorted"] == ["plan", "fetch", "ingest", "materialise", "report", "maintain", "all_fetched"]
     assert t["fetch"]["pool"] == "neuronpedia_api" and t["fetch"]["mapped"] and not t["plan"]["mapped"]
     assert t["fetch"]["upstream"] == ["plan"] and t["ingest"]["upstream"] == ["fetch"]
     assert t["materialise"]["upstream"] == ["ingest"] and t["report"]["upstream"] == ["materialise"]
+    assert t["maintain"]["upstream"] == ["report"]
     # the last task waits for every fetch chunk: a failed chunk fails the run, after the report
-    assert t["all_fetched"]["upstream"] == ["fetch", "report"] and t["all_fetched"]["pool"] == "default_pool"
+    assert t["all_fetched"]["upstream"] == ["fetch", "maintain"] and t["all_fetched"]["pool"] == "default_pool"
     assert any("feature_activation_stats" in o for o in t["materialise"]["outlets"])
     assert any("source_activation_stats" in o for o in t["materialise"]["outlets"])
     assert dag["timetable"] == "CronTriggerTimetable"

@@ -22,7 +22,7 @@ TABLES = {
     "explanations": "explanation_id",
     "feature_activation_stats": "model_id, source_id, feature_index, data_source",
 }
-SKIP = {"input_sha256", "run_id", "loaded_at", "refreshed_at"}
+SKIP = {"input_sha256", "run_id", "loaded_at", "refreshed_at", "captured_at"}
 
 
 def _write_bucket(objects: dict[str, bytes], folder: Path, *, plain: bool) -> None:

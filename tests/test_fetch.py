@@ -190,7 +190,7 @@ def test_killed_fetch_resumes_without_refetching_or_duplicates(tmp_path):
         proc.wait(timeout=10)
         landed_before = {e["url"] for e in _manifest_lines(manifest) if e["status"] == "landed"}
         assert 20 <= len(landed_before) < n, "the fetch was not interrupted part-way"
-        assert not settings.warehouse.exists() or scalar(settings, "SELECT count(*) FROM features") == 0
+        assert not (settings.warehouse / "catalog.sqlite").exists() or scalar(settings, "SELECT count(*) FROM features") == 0
 
         np.latency = 0.0
         done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import duckdb
 from click.testing import CliRunner
 
 from pipeline.cli import cli
+from tests.conftest import open_warehouse
 from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
 from tests.fetch_support import MODEL, SOURCE, pages, settings_in
 
@@ -54,7 +54,7 @@ def test_api_key_never_leaks(tmp_path, caplog, capfd):
         if p.suffix not in (".duckdb", ".wal"):
             assert KEY.encode() not in p.read_bytes(), p
 
-    with duckdb.connect(str(s.warehouse), read_only=True) as conn:
+    with open_warehouse(s.warehouse) as conn:
         tables = [t for (t,) in conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = 'main'").fetchall()]
         assert "fetch_failures" in tables

@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import duckdb
 import pytest
 
 from pipeline.config import Settings
 from pipeline.inbox import DONE_DIR, drain_inbox, pending_files
+from pipeline.warehouse import BadCatalog
+from tests.conftest import open_warehouse
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = sorted((ROOT / "samples").iterdir())
@@ -23,7 +24,7 @@ BAD = ROOT / "samples" / "002_cdcf7f83dd4b10f8.txt"
 
 
 def rows(warehouse: Path, sql: str):
-    with duckdb.connect(str(warehouse), read_only=True) as conn:
+    with open_warehouse(warehouse) as conn:
         return conn.execute(sql).fetchall()
 
 
@@ -64,7 +65,7 @@ def test_seeds_land_and_leave_the_inbox(tmp_path):
 
 
 def test_delete_instead_of_keep(tmp_path):
-    inbox, wh = tmp_path / "inbox", tmp_path / "f.duckdb"
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
     fill(inbox, SAMPLES)
     result = drain_inbox(inbox, Settings(warehouse=wh), keep=False)
     assert result.n_drained == 2
@@ -72,7 +73,7 @@ def test_delete_instead_of_keep(tmp_path):
 
 
 def test_fresh_files_wait_until_they_settle(tmp_path):
-    inbox, wh = tmp_path / "inbox", tmp_path / "f.duckdb"
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
     fill(inbox, [BAD], old=True)
     fill(inbox, [GOOD], old=False)
     result = drain_inbox(inbox, Settings(warehouse=wh), settle_seconds=60)
@@ -83,20 +84,21 @@ def test_fresh_files_wait_until_they_settle(tmp_path):
 def test_a_failed_run_leaves_every_file_in_the_inbox(tmp_path):
     inbox = tmp_path / "inbox"
     fill(inbox, SAMPLES)
-    wh = tmp_path / "wh.duckdb"
-    wh.write_text("this is not a duckdb file")
-    with pytest.raises(duckdb.Error):
+    wh = tmp_path / "wh"
+    wh.mkdir()
+    (wh / "catalog.sqlite").write_text("this is not a catalog")
+    with pytest.raises(BadCatalog):
         drain_inbox(inbox, Settings(warehouse=wh))
     assert sorted(p.name for p in pending_files(inbox)[0]) == [f.name for f in SAMPLES]
 
-    wh.unlink()
+    (wh / "catalog.sqlite").unlink()
     result = drain_inbox(inbox, Settings(warehouse=wh))
     assert result.n_drained == 2 and pending_files(inbox) == ([], 0)
 
 
 def test_a_run_killed_half_way_loses_nothing_and_the_next_run_finishes(tmp_path):
     """SIGKILL a drain mid-run: whatever left the inbox has its raw_inputs row; a rerun takes the rest."""
-    inbox, wh = tmp_path / "inbox", tmp_path / "f.duckdb"
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
     inbox.mkdir()
     base = GOOD.read_bytes()
     n = 40
@@ -111,7 +113,7 @@ def test_a_run_killed_half_way_loses_nothing_and_the_next_run_finishes(tmp_path)
     # kill it once it has committed something, but well before it is done
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if wh.exists() and wh.stat().st_size > 2_000_000:
+        if len(list((wh / "data").glob("main/activations/*.parquet"))) >= 3:  # three batches committed
             break
         time.sleep(0.2)
     was_running = proc.poll() is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import replace
 from datetime import datetime
@@ -93,6 +94,26 @@ def test_small_batches_give_the_same_tables(tmp_path, settings):
                    "landed_path")  # the two warehouses land in different folders
         assert table_rows(many_settings.warehouse, t, exclude) == table_rows(settings.warehouse, t, exclude), t
     assert (one.n_activations, one.n_quarantined) == (many.n_activations, many.n_quarantined) == (18 + 39, 1)
+
+
+@pytest.mark.parametrize("shape", ["api_json", "gzip_export"])
+def test_the_activation_limit_closes_batches_on_every_road(tmp_path, settings, shape):
+    """FEATUREHOUSE_BATCH_ACTIVATIONS was ignored for pages DuckDB reads (10 pages x 3 activations
+    with a limit of 3 made one batch). An export file is never split: it closes its batch."""
+    folder = tmp_path / "in"
+    for i in range(10):
+        page = good_page(i)
+        if shape == "api_json":
+            write(folder / f"{i}.json", to_api_json(page))
+        else:
+            rows = b"".join(json.dumps({k: v for k, v in a.items() if k != "createdAt"}).encode() + b"\n"
+                            for a in page["activations"])
+            write(folder / f"activations-{i}.jsonl.gz", gzip.compress(rows))
+    s = run_ingest([folder], replace(settings, batch_activations=3))
+    assert s.n_activations == 30 and s.n_rejected == 0
+    assert query(settings.warehouse, "SELECT count(DISTINCT batch_no) FROM validation_results") == [(10,)]
+    formats = query(settings.warehouse, "SELECT DISTINCT format FROM raw_inputs")
+    assert formats == [("api_json" if shape == "api_json" else "gzip+export_jsonl",)], "not the DuckDB road"
 
 
 def test_a_later_version_of_a_feature_replaces_the_earlier(tmp_path, settings):

@@ -6,11 +6,11 @@ import statistics
 from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 
-import duckdb
 import pytest
 
 from pipeline.config import Settings
 from pipeline.materialise import refresh
+from pipeline.warehouse import connect
 from tests.conftest import good_page, query, run_ingest, seed_page_copy, write
 from tests.formats import to_api_json, to_flight
 
@@ -50,14 +50,18 @@ def expected_feature_stats(page: dict) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
-    root = tmp_path_factory.mktemp("materialise")
-    settings = Settings(warehouse=root / "wh.duckdb")
+def _load(root) -> tuple[Settings, dict]:
+    settings = Settings(warehouse=root / "wh")
     page = _page_with_null_source()
     other = good_page(7)
     run_ingest([write(root / "in" / "a.txt", to_flight(page)), write(root / "in" / "b.json", to_api_json(other))], settings)
-    return settings.warehouse, {45698: expected_feature_stats(page), 7: expected_feature_stats(other)}
+    return settings, {45698: expected_feature_stats(page), 7: expected_feature_stats(other)}
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    settings, expected = _load(tmp_path_factory.mktemp("materialise"))
+    return settings.warehouse, expected
 
 
 COLS = ["n_examples", "n_tokens", "n_active_tokens", "active_token_fraction", "max_activation",
@@ -111,31 +115,42 @@ def test_source_activation_stats(loaded, data_source):
         assert v == pytest.approx(exp[c], rel=1e-12), c
 
 
-def test_refresh_only_touches_changed_features_and_mends_a_crash(loaded, tmp_path):
-    wh, _ = loaded
-    copy = tmp_path / "copy.duckdb"
-    copy.write_bytes(wh.read_bytes())
-    with duckdb.connect(str(copy)) as conn:
+def test_refresh_only_touches_changed_features_and_mends_a_crash(tmp_path):
+    settings, _ = _load(tmp_path)
+    with connect(settings) as conn:
         before = conn.execute("SELECT * EXCLUDE (refreshed_at) FROM feature_activation_stats ORDER BY ALL").fetchall()
         conn.execute("DELETE FROM feature_activation_stats")  # as if a run crashed before materialising
         conn.execute("DELETE FROM source_activation_stats")
-        r = refresh(conn)  # all features
+        r = refresh(conn, settings)  # all features
         assert (r.n_features, r.n_sources, r.feature_stats_rows) == (2, 1, 6)
         after = conn.execute("SELECT * EXCLUDE (refreshed_at) FROM feature_activation_stats ORDER BY ALL").fetchall()
         assert after == before
-        r = refresh(conn, "no-such-run")
+        r = refresh(conn, settings, "no-such-run")
         assert (r.n_features, r.feature_stats_rows) == (0, 0)
         assert conn.execute("SELECT count(*) FROM feature_activation_stats").fetchone() == (6,)
 
 
-def test_refreshed_at_is_utc_whatever_the_machine_time_zone(loaded, tmp_path):
+def test_refresh_of_a_run_finds_every_feature_it_changed_even_when_a_later_run_reloaded_them(tmp_path):
+    """materialise --run-id took "the features whose rows name the run" and missed those a later
+    run reloaded; it now reads the run's own snapshots."""
+    settings, _ = _load(tmp_path)
+    (first,) = query(settings.warehouse, "SELECT run_id FROM runs")[0]
+    newer = good_page(7)
+    newer["activations"] = newer["activations"][:1]
+    run_ingest([write(tmp_path / "in2" / "b.json", to_api_json(newer))], settings)
+    with connect(settings) as conn:
+        conn.execute("DELETE FROM feature_activation_stats")
+        r = refresh(conn, settings, first)
+        assert r.n_features == 2, "both features the first run loaded, though feature 7 was reloaded since"
+        assert conn.execute("SELECT sum(n_examples) FROM feature_activation_stats WHERE feature_index = 7").fetchone() == (1,)
+
+
+def test_refreshed_at_is_utc_whatever_the_machine_time_zone(tmp_path):
     """README: timestamps are UTC. A warehouse written on a machine in Tokyo must say so too."""
-    wh, _ = loaded
-    copy = tmp_path / "copy.duckdb"
-    copy.write_bytes(wh.read_bytes())
-    with duckdb.connect(str(copy)) as conn:
+    settings, _ = _load(tmp_path)
+    with connect(settings) as conn:
         conn.execute("SET TimeZone = 'Asia/Tokyo'")
-        refresh(conn)
+        refresh(conn, settings)
         stamps = conn.execute("SELECT refreshed_at FROM feature_activation_stats UNION ALL "
                               "SELECT refreshed_at FROM source_activation_stats").fetchall()
     now = datetime.now(timezone.utc).replace(tzinfo=None)

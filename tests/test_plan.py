@@ -17,6 +17,7 @@ from pipeline.plan import (
     run_id_for,
     window_for,
 )
+from tests.conftest import open_warehouse
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -28,7 +29,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_repo_config_loads_with_defaults():
     plan = load_plan(DEFAULT_CONFIG, env={})
     assert plan.schedule == "0 3 * * *"
-    assert plan.warehouse == DEFAULT_CONFIG.parent / "warehouse" / "featurehouse.duckdb"
+    assert plan.warehouse == DEFAULT_CONFIG.parent / "warehouse"
     assert plan.inbox == DEFAULT_CONFIG.parent / "inbox"
     assert plan.base_url == "https://www.neuronpedia.org"
     assert plan.sources and all(s.model and s.source for s in plan.sources)
@@ -224,9 +225,8 @@ def test_fetch_chunk_lands_each_kind_of_chunk_from_a_real_server(tmp_path):
     # features-offset answers 25 pages per body: other bytes, so every feature loads (upserted)
     assert ingest_fetched("w-all", settings, run_id="r2", progress=False).n_features == 30
     assert ingest_fetched("w-exports", settings, run_id="r3", progress=False).status == "succeeded"
-    import duckdb
 
-    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+    with open_warehouse(settings.warehouse) as conn:
         assert conn.execute("SELECT count(*) FROM features").fetchone()[0] == 30
 
 

@@ -14,7 +14,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import duckdb
 import pytest
 from click.testing import CliRunner
 
@@ -22,6 +21,7 @@ from bench.generate import seed_page, write_pages
 from pipeline import Settings, ingest
 from pipeline.cli import cli
 from pipeline.report import VERDICT_RULES, NoRuns, RunNotFound, verdict, write_report
+from tests.conftest import open_warehouse
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -32,7 +32,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 # --- fixtures -----------------------------------------------------------------------------------
 
 def _settings(tmp: Path) -> Settings:
-    return Settings.from_env(warehouse=tmp / "wh" / "featurehouse.duckdb")
+    return Settings.from_env(warehouse=tmp / "wh")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_ingest_writes_report_and_records_its_path(seed_run):
     settings, summary, path = seed_run
     assert path == settings.report_dir / f"{summary.run_id}.html"
     assert path.is_file() and (settings.report_dir / "index.html").is_file()
-    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+    with open_warehouse(settings.warehouse) as conn:
         (stored,) = conn.execute("SELECT report_path FROM runs WHERE run_id = ?", [summary.run_id]).fetchone()
     assert stored == str(path)
 
@@ -105,7 +105,7 @@ def test_report_lists_the_refused_activation_with_its_reason(seed_run, expected)
 def test_report_lists_the_rejected_input_with_its_reason(seed_run, expected):
     settings, summary, path = seed_run
     page = html.unescape(path.read_text())
-    with duckdb.connect(str(settings.warehouse), read_only=True) as conn:
+    with open_warehouse(settings.warehouse) as conn:
         reason, landed = conn.execute(
             "SELECT reason, landed_path FROM raw_inputs WHERE origin LIKE ?", [f"%{expected['rejected_name']}"]
         ).fetchone()
@@ -228,7 +228,7 @@ def test_report_over_many_features_and_sources(tmp_path):
 def test_report_write_failure_does_not_fail_the_run(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the reports folder should go")
-    settings = Settings.from_env(warehouse=tmp_path / "wh" / "featurehouse.duckdb", reports_dir=blocker)
+    settings = Settings.from_env(warehouse=tmp_path / "wh", reports_dir=blocker)
     summary = ingest([FIXTURES], settings, progress=False)
     assert summary.status == "succeeded" and summary.report_path is None
     assert summary.n_activations > 0
@@ -282,10 +282,10 @@ def test_report_command_names_a_missing_run(seed_run):
 
 
 def test_report_of_an_empty_warehouse_says_so(tmp_path):
-    wh = tmp_path / "featurehouse.duckdb"
+    wh = tmp_path / "wh"
     from pipeline import warehouse
 
-    warehouse.connect(wh).close()
+    warehouse.connect(wh, create=True).close()
     with pytest.raises(NoRuns):
         write_report(wh)
 

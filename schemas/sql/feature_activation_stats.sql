@@ -1,10 +1,10 @@
 -- feature_activation_stats: one row per (model_id, source_id, feature_index, data_source).
--- A NULL data_source is its own group. Computed for the features listed in the temp table
--- changed_features(model_id, source_id, feature_index); the caller replaces their rows.
+-- A NULL data_source is its own group. Computed from the temp view stats_activations: every
+-- activation of the features being refreshed (the caller replaces their rows) — read from the
+-- activations table, or, inside a load, from the batch's staged rows for the features whose
+-- activations it replaces.
 WITH source AS (
-    SELECT a.*
-    FROM activations AS a
-    SEMI JOIN changed_features AS c USING (model_id, source_id, feature_index)
+    SELECT * FROM stats_activations
 ),
 
 per_excerpt AS (
@@ -30,8 +30,9 @@ token_best AS (
 ),
 
 top AS (
+    -- ties broken by the token, so the list never depends on the order rows were read in
     SELECT model_id, source_id, feature_index, data_source,
-           max_by({'token': token, 'activation': best}, best, 10) AS top_tokens
+           list({'token': token, 'activation': best} ORDER BY best DESC, token)[1:10] AS top_tokens
     FROM token_best
     GROUP BY ALL
 ),
