@@ -149,6 +149,10 @@ def sql_cmd(query, warehouse, fmt, max_rows) -> None:
         raise click.ClickException(
             f"featurehouse sql is read-only and runs queries only; refused a {refused[0]} statement "
             "(write results out with --format csv or --format json)")
+    try:
+        warehouse_mod.check_sandboxed_query(query)
+    except PermissionError as exc:
+        raise click.ClickException(f"featurehouse sql refused the query: {exc}") from None
     settings = Settings.from_env(warehouse=warehouse)
     conn = _open(settings, read_only=True)
     try:

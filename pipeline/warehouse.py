@@ -521,6 +521,18 @@ def sandbox(conn: duckdb.DuckDBPyConnection) -> None:
     conn.execute("SET lock_configuration = true")
 
 
+#: Table functions of the loaded scanner extensions that open any database by name or file,
+#: outside DuckDB's file system (so ``allowed_directories`` does not stop them).
+_SCANNERS = re.compile(r"\b(sqlite|postgres)_(scan|query|execute|attach|scan_pushdown)\b", re.IGNORECASE)
+
+
+def check_sandboxed_query(sql: str) -> None:
+    """Refuse a query calling a scanner function (``sqlite_scan('/any/file.db', ...)`` reads any
+    SQLite file; ``postgres_scan`` any reachable server): the sandbox cannot stop them."""
+    if m := _SCANNERS.search(sql):
+        raise PermissionError(f"{m.group(0)} reads databases outside the warehouse; query the warehouse's tables")
+
+
 # --- for people ---------------------------------------------------------------------------------
 
 

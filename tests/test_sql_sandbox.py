@@ -1,0 +1,141 @@
+"""`featurehouse sql` is a sandbox: queries read the warehouse and nothing else, and write nothing.
+
+Two layers, each tested on its own: the CLI refuses any statement that is not a query, and the
+connection it opens (``warehouse.sandbox``) cannot write or read files outside the warehouse's
+data, attach databases or load extensions, whatever the statement; its configuration is locked.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from pipeline import warehouse
+from pipeline.config import Settings
+from tests.conftest import FIXTURES
+
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+
+
+def fh(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def wh(tmp_path_factory) -> Path:
+    wh = tmp_path_factory.mktemp("sandbox") / "wh"
+    proc = fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    return wh
+
+
+@pytest.fixture
+def target(tmp_path) -> Path:
+    return tmp_path / "escaped.csv"
+
+
+# Statements that are not queries: the CLI refuses them before opening anything.
+NOT_QUERIES = [
+    "COPY (SELECT * FROM features) TO '{target}'",
+    "COPY features TO '{target}' (FORMAT csv)",
+    "EXPORT DATABASE '{dir}'",
+    "ATTACH '{dir}/other.duckdb' AS other",
+    "INSTALL httpfs",
+    "LOAD httpfs",
+    "SET enable_external_access = true",
+    "RESET lock_configuration",
+    "CREATE TABLE x AS SELECT 1",
+    "DELETE FROM features",
+    "CALL featurehouse.set_option('parquet_row_group_size', 10)",
+    "SELECT 1; COPY (SELECT 1) TO '{target}'",
+]
+
+
+@pytest.mark.parametrize("sql", NOT_QUERIES)
+def test_the_cli_refuses_every_statement_that_is_not_a_query(wh, target, sql):
+    proc = fh("sql", sql.format(target=target, dir=target.parent), "--warehouse", str(wh))
+    assert proc.returncode != 0
+    assert "read-only and runs queries only" in proc.stderr and "Traceback" not in proc.stderr
+    assert not target.exists() and not (target.parent / "other.duckdb").exists()
+
+
+# Queries that try to reach outside the warehouse: the sandboxed connection refuses them.
+ESCAPING_QUERIES = [
+    "SELECT * FROM read_csv('/etc/passwd')",
+    "SELECT * FROM read_text('/etc/hostname')",
+    "SELECT * FROM glob('/etc/*')",
+    "SELECT * FROM read_json('{dir}/../../../../etc/passwd')",
+    # the warehouse is attached read-only: DuckLake's maintenance functions cannot write through it
+    "SELECT * FROM ducklake_expire_snapshots('featurehouse', older_than => now())",
+]
+
+
+@pytest.mark.parametrize("sql", ESCAPING_QUERIES)
+def test_a_query_cannot_read_or_write_outside_the_warehouse(wh, tmp_path, sql):
+    proc = fh("sql", sql.format(dir=tmp_path, catalog=wh / "catalog.sqlite"), "--warehouse", str(wh))
+    assert proc.returncode != 0, proc.stdout
+    assert "query failed" in proc.stderr and "Traceback" not in proc.stderr
+    assert "root:" not in proc.stdout
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT * FROM sqlite_scan('{other}', 'secret')",
+    "SELECT * FROM SQLITE_SCAN ('{other}', 'secret')",
+    "SELECT (SELECT x FROM sqlite_scan('{other}', 'secret')) AS y",
+    "SELECT * FROM sqlite_scan('{catalog}', 'ducklake_snapshot')",
+    "SELECT * FROM postgres_scan('host=127.0.0.1 dbname=postgres', 'public', 't')",
+    "SELECT * FROM postgres_query('featurehouse', 'SELECT 1')",
+])
+def test_scanner_functions_are_refused(wh, tmp_path, sql):
+    """sqlite_scan opens any SQLite file itself (not through DuckDB's file system, so the
+    sandbox's allowed_directories does not stop it): found reading a file outside the warehouse."""
+    import sqlite3
+
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as c:
+        c.execute("CREATE TABLE secret (x)")
+        c.execute("INSERT INTO secret VALUES ('hidden')")
+    proc = fh("sql", sql.format(other=other, catalog=wh / "catalog.sqlite"), "--warehouse", str(wh))
+    assert proc.returncode != 0
+    assert "reads databases outside the warehouse" in proc.stderr and "Traceback" not in proc.stderr
+    assert "hidden" not in proc.stdout
+
+
+def test_queries_over_the_warehouse_still_work(wh):
+    proc = fh("sql", "SELECT count(*) AS n FROM activations", "--warehouse", str(wh), "--format", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["n", "39"]
+    # the data files themselves are inside the sandbox (it is where the tables live)
+    data = wh / "data"
+    proc = fh("sql", f"SELECT count(*) > 0 AS ok FROM glob('{data}/**/*.parquet')", "--warehouse", str(wh),
+              "--format", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["ok", "True"]
+
+
+@pytest.mark.parametrize("sql", [
+    "COPY (SELECT 1) TO '{target}'",
+    "ATTACH '{dir}/other.duckdb' AS other",
+    "INSTALL httpfs",
+    "LOAD '{ext}'",
+    "SET enable_external_access = true",
+    "SET allowed_directories = ['/']",
+    "SELECT * FROM read_csv('/etc/passwd')",
+])
+def test_the_sandboxed_connection_alone_refuses_escapes(wh, target, sql):
+    """Without the CLI's statement filter: the connection itself refuses."""
+    conn = warehouse.connect(Settings.from_env(warehouse=wh), read_only=True)
+    try:
+        warehouse.sandbox(conn)
+        with pytest.raises(duckdb.Error):
+            conn.execute(sql.format(target=target, dir=target.parent, ext=warehouse.extension_path("httpfs")))
+        assert conn.execute("SELECT count(*) FROM features").fetchone() == (1,)
+    finally:
+        conn.close()
+    assert not target.exists() and not (target.parent / "other.duckdb").exists()
