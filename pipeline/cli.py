@@ -166,21 +166,32 @@ def sql_cmd(query, warehouse, fmt, max_rows) -> None:
         conn.close()
 
 
+#: The columns ``status`` shows in a table: (heading, ``runs`` column).
+_STATUS_COLUMNS = (
+    ("run_id", "run_id"), ("status", "status"), ("started_at", "started_at"), ("seconds", "seconds"),
+    ("received", "n_received"), ("loaded", "n_loaded"), ("rejected", "n_rejected"), ("dups", "n_duplicates"),
+    ("features", "n_features"), ("activations", "n_activations"), ("quarantined", "n_quarantined"),
+    ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
+)
+
+
 @cli.command("status")
 @warehouse_option
 @click.option("-n", "--limit", default=10, show_default=True, help="How many recent runs.")
 def status_cmd(warehouse, limit) -> None:
-    """Show recent runs and their counts."""
+    """Show recent runs and their counts.
+
+    A run still marked running whose process is gone (killed) shows as abandoned; nothing is
+    written (the next ingest records it).
+    """
+    from .report import recent_runs
+
     settings = Settings.from_env(warehouse=warehouse)
     with _open(settings, read_only=True) as conn:
-        conn.sql(
-            f"""SELECT run_id, status, started_at, round(epoch(finished_at - started_at), 1) AS seconds,
-                       n_received AS received, n_loaded AS loaded, n_rejected AS rejected,
-                       n_duplicates AS dups, n_features AS features, n_activations AS activations,
-                       n_quarantined AS quarantined, n_superseded AS superseded,
-                       n_expectations_failed AS failed_checks
-                FROM runs ORDER BY started_at DESC LIMIT {int(limit)}"""
-        ).show(max_width=10_000)
+        runs = recent_runs(conn, limit)
+        rows = [tuple(round(r[c], 1) if c == "seconds" and r[c] is not None else r[c] for _, c in _STATUS_COLUMNS)
+                for r in runs]
+        _print_rows([h for h, _ in _STATUS_COLUMNS], rows, "table")
         totals = conn.sql(
             "SELECT (SELECT count(*) FROM features), (SELECT count(*) FROM activations), "
             "(SELECT count(*) FROM explanations), (SELECT count(*) FROM quarantine), "
