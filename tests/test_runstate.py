@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -58,6 +59,12 @@ def test_a_killed_ingest_shows_as_abandoned_and_the_next_ingest_records_it(tmp_p
     assert table.returncode == 0, table.stderr
     (line,) = [line for line in table.stdout.splitlines() if "killed-run" in line]
     assert "abandoned" in line and "running" not in line
+    as_json = fh("status", "--warehouse", str(wh), "--format", "json")
+    assert as_json.returncode == 0, as_json.stderr
+    runs = {r["run_id"]: r for r in json.loads(as_json.stdout)}
+    assert runs["killed-run"]["status"] == "abandoned" and runs["killed-run"]["verdict"] == "FAIL"
+    assert f"pid {child.pid}" in runs["killed-run"]["verdict_reason"]
+    assert [r["status"] for r in runs.values()].count("succeeded") == 1
 
     # so does the report (read-only too), on the run's page and in the index
     report = fh("report", "--warehouse", str(wh), "--run", "killed-run")
