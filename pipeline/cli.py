@@ -101,6 +101,16 @@ def _run_id(value: str | None, option: str) -> str | None:
         raise click.BadParameter(str(exc), param_hint=option) from None
 
 
+#: ``ingest --strict``'s exit code for a run whose verdict is FAIL (1 is an error, 2 a usage
+#: error, 3 a fetch with failed URLs).
+EXIT_VERDICT_FAIL = 4
+
+
+def _print_json(value) -> None:
+    """One JSON document on stdout (timestamps as ISO 8601): all a script reads there."""
+    sys.stdout.write(orjson.dumps(value, default=str, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
 @cli.command("ingest")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @warehouse_option
@@ -108,12 +118,26 @@ def _run_id(value: str | None, option: str) -> str | None:
               help="Name the run (an Airflow task passes its data interval); letters, digits and . _ : + -.")
 @click.option("--reprocess", is_flag=True, help="Parse and load inputs again even if already landed.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
-def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress) -> None:
+@click.option("--strict", is_flag=True,
+              help=f"Exit {EXIT_VERDICT_FAIL} when the run's verdict is FAIL (for cron and scripts).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="The run's summary for a person, or as one JSON object on stdout (the summary's "
+                   "fields, verdict, verdict_reason, report_path); progress and logs go to stderr.")
+def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) -> None:
     """Ingest feature pages from files and folders (any mix, recursively).
 
     Accepts API JSON, captured flight text, saved HTML and gzip of any of them, and bulk-export
-    JSON lines. Exits 0 when the run completed, even if some inputs were rejected.
+    JSON lines. The run's verdict (PASS, WARN or FAIL; see its report) is printed with its summary.
+
+    \b
+    Exit codes:
+      0  the run completed, whatever its verdict (some inputs may have been rejected)
+      1  the run could not complete (the message says why)
+      2  a usage error (a path that does not exist, a bad --run-id)
+      4  --strict and the run's verdict is FAIL
     """
+    from .report import verdict
+
     settings = Settings.from_env(warehouse=warehouse)
     try:
         summary = ingest(paths, settings, run_id=run_id, reprocess=reprocess,
@@ -122,7 +146,15 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress) -> None:
         raise click.UsageError(str(exc)) from exc
     except _USER_ERRORS as exc:
         raise click.ClickException(str(exc)) from None
-    print_summary(summary)
+    # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs
+    judged = verdict(summary.as_dict())
+    if fmt == "json":
+        _print_json(summary.as_dict() | {"verdict": judged.level, "verdict_reason": judged.reason})
+    else:
+        print_summary(summary)
+        click.echo(f"  verdict  {judged.level}: {judged.reason}")
+    if strict and judged.level == "FAIL":
+        sys.exit(EXIT_VERDICT_FAIL)
 
 
 _SQL_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
@@ -170,21 +202,39 @@ def sql_cmd(query, warehouse, fmt, max_rows) -> None:
         conn.close()
 
 
+#: The columns ``status`` shows in a table: (heading, ``runs`` column).
+_STATUS_COLUMNS = (
+    ("run_id", "run_id"), ("status", "status"), ("started_at", "started_at"), ("seconds", "seconds"),
+    ("received", "n_received"), ("loaded", "n_loaded"), ("rejected", "n_rejected"), ("dups", "n_duplicates"),
+    ("features", "n_features"), ("activations", "n_activations"), ("quarantined", "n_quarantined"),
+    ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
+)
+
+
 @cli.command("status")
 @warehouse_option
 @click.option("-n", "--limit", default=10, show_default=True, help="How many recent runs.")
-def status_cmd(warehouse, limit) -> None:
-    """Show recent runs and their counts."""
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="A table and the warehouse's totals, or the runs as one JSON list on stdout (every "
+                   "runs column, seconds, verdict, verdict_reason).")
+def status_cmd(warehouse, limit, fmt) -> None:
+    """Show recent runs and their counts.
+
+    A run still marked running whose process is gone (killed) shows as abandoned; nothing is
+    written (the next ingest records it).
+    """
+    from .report import recent_runs
+
     settings = Settings.from_env(warehouse=warehouse)
     with _open(settings, read_only=True) as conn:
-        conn.sql(
-            f"""SELECT run_id, status, started_at, round(epoch(finished_at - started_at), 1) AS seconds,
-                       n_received AS received, n_loaded AS loaded, n_rejected AS rejected,
-                       n_duplicates AS dups, n_features AS features, n_activations AS activations,
-                       n_quarantined AS quarantined, n_superseded AS superseded,
-                       n_expectations_failed AS failed_checks
-                FROM runs ORDER BY started_at DESC LIMIT {int(limit)}"""
-        ).show(max_width=10_000)
+        runs = recent_runs(conn, limit)
+        if fmt == "json":
+            _print_json([{k: v for k, v in r.items() if k != "verdict"}
+                         | {"verdict": r["verdict"].level, "verdict_reason": r["verdict"].reason} for r in runs])
+            return
+        rows = [tuple(round(r[c], 1) if c == "seconds" and r[c] is not None else r[c] for _, c in _STATUS_COLUMNS)
+                for r in runs]
+        _print_rows([h for h, _ in _STATUS_COLUMNS], rows, "table")
         totals = conn.sql(
             "SELECT (SELECT count(*) FROM features), (SELECT count(*) FROM activations), "
             "(SELECT count(*) FROM explanations), (SELECT count(*) FROM quarantine), "

@@ -24,7 +24,7 @@ import duckdb
 import pyarrow as pa
 from tqdm import tqdm
 
-from . import materialise, stage, validate, warehouse
+from . import materialise, runstate, stage, validate, warehouse
 from .config import Settings
 from .land import Landed, land
 from .load import (
@@ -447,6 +447,10 @@ def ingest(
     started = time.monotonic()
     conn = warehouse.connect(settings, create=True)
     try:
+        try:  # housekeeping the next run redoes: it never stops this one
+            runstate.mark_abandoned(conn, settings, by=run_id)
+        except Exception:
+            log.exception("could not mark the abandoned runs of this host")
         _start_run(conn, settings, summary, trigger)
         run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats)
         batch = _Batch()
@@ -481,7 +485,10 @@ def ingest(
 
 
 def _start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary, trigger: str) -> None:
-    """Record the run as running; a retry of the same run id carries on from its counts."""
+    """Record the run as running, and which process runs it (``runs.host``, ``runs.pid``: how a
+    later run tells it was killed); a retry of the same run id carries on from its counts."""
+    owner = {"host": runstate.this_host(), "pid": os.getpid()}
+
     def body(conn: duckdb.DuckDBPyConnection) -> None:
         stored = conn.execute(f"SELECT {', '.join(_COUNTERS + _COMMIT_FIELDS)} FROM runs WHERE run_id = ?",
                               [summary.run_id]).fetchone()
@@ -490,11 +497,13 @@ def _start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
                 setattr(summary, name, value or 0)
             st = summary.stats
             st.commits, st.retries, st.lock_wait_seconds, st.commit_seconds = (v or 0 for v in stored[len(_COUNTERS):])
-            conn.execute("UPDATE runs SET status = 'running', started_at = ?, finished_at = NULL, error = NULL "
-                         "WHERE run_id = ?", [utcnow(), summary.run_id])
+            conn.execute("UPDATE runs SET status = 'running', started_at = $at, finished_at = NULL, error = NULL, "
+                         "host = $host, pid = $pid WHERE run_id = $run_id",
+                         {"at": utcnow(), "run_id": summary.run_id} | owner)
         else:
-            conn.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', ?)",
-                         [summary.run_id, utcnow(), trigger])
+            conn.execute("INSERT INTO runs (run_id, started_at, status, trigger, host, pid) "
+                         "VALUES ($run_id, $at, 'running', $trigger, $host, $pid)",
+                         {"run_id": summary.run_id, "at": utcnow(), "trigger": trigger} | owner)
 
     warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} started",
                           extra={"run_id": summary.run_id}, stats=summary.stats)

@@ -25,12 +25,13 @@ from urllib.parse import quote
 
 import duckdb
 
-from . import validate
+from . import runstate, validate
 from . import warehouse as warehouse_mod
 from .config import Settings
 from .names import BadRunId, check_run_id
 
-__all__ = ["VERDICT_RULES", "Verdict", "verdict", "write_report", "report_run", "NoRuns", "RunNotFound"]
+__all__ = ["VERDICT_RULES", "Verdict", "verdict", "recent_runs", "write_report", "report_run", "NoRuns",
+           "RunNotFound"]
 
 log = logging.getLogger("featurehouse")
 
@@ -538,9 +539,23 @@ _RUN_EXTRA = """epoch(finished_at - started_at) AS seconds,
     (SELECT count(*) FROM fetch_failures f WHERE f.run_id = runs.run_id AND f.status = 'not_found') AS n_fetch_not_found"""
 
 
+def _runs(conn: duckdb.DuckDBPyConnection, tail: str, params: Any = None) -> list[dict[str, Any]]:
+    """``runs`` rows with ``_RUN_EXTRA``, a run whose process is gone shown as abandoned (on
+    read: nothing is written)."""
+    rows = _rows(conn, f"SELECT *, {_RUN_EXTRA} FROM runs {tail}", params)
+    return runstate.apply(rows, runstate.find_abandoned(conn))
+
+
+def recent_runs(conn: duckdb.DuckDBPyConnection, limit: int = 10) -> list[dict[str, Any]]:
+    """The latest ``limit`` runs, newest first: every ``runs`` column, with ``status``
+    'abandoned' for a run whose process is gone (see ``runstate``), and ``seconds``,
+    ``n_fetch_failed``, ``n_fetch_not_found`` and ``verdict`` (a :class:`Verdict`)."""
+    rows = _runs(conn, "ORDER BY started_at DESC LIMIT ?", [int(limit)])
+    return [{**r, "verdict": verdict(r)} for r in rows]
+
+
 def _run_row(conn: duckdb.DuckDBPyConnection, run_id: str | None) -> dict[str, Any]:
-    sql = f"SELECT *, {_RUN_EXTRA} FROM runs "
-    rows = _rows(conn, sql + ("WHERE run_id = ?" if run_id else "ORDER BY started_at DESC LIMIT 1"),
+    rows = _runs(conn, "WHERE run_id = ?" if run_id else "ORDER BY started_at DESC LIMIT 1",
                  [run_id] if run_id else None)
     if rows:
         return rows[0]
@@ -630,10 +645,8 @@ def _data_docs(gx_project: Path, run_id: str, out_dir: Path) -> dict[str, Any] |
 
 
 def _write_index(conn, out_dir: Path) -> Path:
-    runs = _rows(conn, f"""SELECT *, {_RUN_EXTRA} FROM runs
-                           ORDER BY started_at DESC LIMIT 1000""")
+    runs = recent_runs(conn, 1000)
     for r in runs:
-        r["verdict"] = verdict(r)
         try:
             page = out_dir / f"{check_run_id(r['run_id'])}.html"
         except BadRunId:  # a run named before run ids were checked has no page of its own here

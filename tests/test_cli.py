@@ -124,3 +124,50 @@ def _commands(group: click.Group, prefix: str = "featurehouse") -> list[str]:
 @pytest.mark.parametrize("command", _commands(cli))
 def test_every_command_is_documented_in_the_readme(command):
     assert command in README.read_text(), f"README.md does not mention `{command}`"
+
+
+# --- for scripts: --strict and --format json ------------------------------------------------
+
+
+def test_ingest_strict_exits_4_on_fail_and_json_is_all_stdout_holds(tmp_path):
+    wh = str(tmp_path / "wh")
+    fail = tmp_path / "fail"  # new inputs, none loaded: FAIL
+    fail.mkdir()
+    (fail / "error.json").write_text('{"error": "Not found"}')
+    r = fh("ingest", str(fail), "--warehouse", wh, "--no-progress", "--strict", "--format", "json")
+    assert r.returncode == 4, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["verdict"], out["status"], out["n_received"], out["n_rejected"]) == ("FAIL", "succeeded", 1, 1)
+    assert "none loaded" in out["verdict_reason"] and Path(out["report_path"]).is_file()
+
+    # without --strict a FAIL run still exits 0, and says its verdict
+    (fail / "error.json").write_text('{"error": "Gone"}')
+    r = fh("ingest", str(fail), "--warehouse", wh, "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert "verdict  FAIL: 1 new input(s) received, none loaded" in r.stdout
+
+    # a PASS run exits 0 under --strict; its progress bar (over 20 inputs) goes to stderr
+    from bench.generate import write_pages
+
+    write_pages(21, tmp_path / "pass", valid=True)
+    r = fh("ingest", str(tmp_path / "pass"), "--warehouse", wh, "--strict", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["verdict"], out["n_loaded"], out["n_quarantined"]) == ("PASS", 21, 0)
+    assert "ingest" in r.stderr  # the progress bar
+
+    r = fh("status", "--warehouse", wh, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(r.stdout)
+    assert [(x["run_id"], x["status"], x["verdict"]) for x in runs] == [
+        (out["run_id"], "succeeded", "PASS"), (runs[1]["run_id"], "succeeded", "FAIL"),
+        (runs[2]["run_id"], "succeeded", "FAIL")]
+    assert runs[0]["n_loaded"] == 21 and runs[0]["started_at"] < runs[0]["finished_at"]
+
+
+def test_ingest_help_documents_exit_codes():
+    from click.testing import CliRunner
+
+    text = CliRunner().invoke(cli, ["ingest", "--help"]).output
+    assert "--strict" in text and "--format [table|json]" in text
+    assert "Exit codes:" in text and "4  --strict and the run's verdict is FAIL" in text
