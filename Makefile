@@ -31,8 +31,8 @@ test: setup ## Run the whole test suite (fails if no test is collected)
 lint: setup ## Lint and check formatting with ruff
 	$(BIN)/ruff check pipeline dags tests bench
 
-bench: setup ## Benchmark ingest against DuckDB read_json on N synthetic pages (N=1000)
-	$(BIN)/python bench/run_bench.py --n $${N:-1000}
+bench: setup ## Benchmark ingest against DuckDB read_json: full (N=250, 1000), re-run, one new page, 1 GiB export batch
+	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
 up: ## Start Airflow with docker compose (builds the image; writes .env with fresh secrets once)
 	@test -f .env || { echo "AIRFLOW_UID=$$(id -u)"; \

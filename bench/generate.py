@@ -99,6 +99,51 @@ def write_pages(n: int, out: Path, *, start: int = 0, seed: int = 0, valid: bool
     return paths
 
 
+#: The columns Neuronpedia's export-data.py writes for an activation row, in its order.
+EXPORT_ACTIVATION_COLUMNS = ("id", "modelId", "layer", "index", "creatorId", "dataSource", "tokens", "maxValue",
+                             "minValue", "values", "maxValueTokenIndex", "dfaValues", "dfaMaxValue",
+                             "dfaTargetIndex", "binContains", "binMin", "binMax")
+
+
+def write_activation_export(path: Path, min_expanded_bytes: int, *, start: int = 0, seed: int = 0,
+                            model: str = "gpt-oss-20b", source: str = "11-resid-post-aa",
+                            compresslevel: int = 1) -> dict:
+    """Write a gzip activations export batch (export-data.py columns, one JSON row per line)
+    holding the activations of features ``start``, ``start + 1``, ... until it expands to at
+    least ``min_expanded_bytes``. Each feature's rows are the seed's, its values scaled by one of
+    :data:`SCALES` (zeros stay zero, short decimals stay short), with fresh ids; each feature
+    keeps the seed's one bad record (tokens and values of different lengths), as real data does.
+    Returns ``{"rows", "features", "expanded_bytes", "gzip_bytes"}``."""
+    import gzip
+
+    base = seed_page()
+    # One encoded template per scale; a feature's rows are the template with its ids and index.
+    templates = []
+    for scale in SCALES:
+        lines = []
+        for a in base["activations"]:
+            row = {k: a.get(k) for k in EXPORT_ACTIVATION_COLUMNS}
+            row.update(id="@ID@", modelId=model, layer=source, index="@INDEX@", creatorId=row["creatorId"] or "export")
+            row["values"] = [v * scale if v else v for v in a["values"]]
+            row["maxValue"] = max(row["values"]) if row["values"] else 0
+            lines.append(orjson.dumps(row) + b"\n")
+        templates.append(lines)
+    rng = random.Random(f"{seed}:{model}:{source}:export:{start}")
+    rows = expanded = 0
+    index = start
+    with gzip.open(path, "wb", compresslevel=compresslevel) as out:
+        while expanded < min_expanded_bytes:
+            key = str(index).encode()
+            for line in rng.choice(templates):
+                line = line.replace(b'"@ID@"', b'"' + _ident(rng).encode() + b'"', 1)
+                line = line.replace(b'"@INDEX@"', b'"' + key + b'"', 1)
+                out.write(line)
+                rows += 1
+                expanded += len(line)
+            index += 1
+    return {"rows": rows, "features": index - start, "expanded_bytes": expanded, "gzip_bytes": path.stat().st_size}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1000)

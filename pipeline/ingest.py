@@ -204,6 +204,11 @@ class _Run:
     def flush(self, batch: _Batch) -> None:
         if not len(batch):
             return
+        if not (batch.inputs or batch.fast or any(batch.exports.values())):
+            # Only inputs landed before (an unchanged re-run): nothing to parse, validate or load,
+            # so no Great Expectations and no staging; record that this run saw them.
+            self._record_seen(batch)
+            return
         self.batch_no += 1
         conn, s, run_id, now = self.conn, self.summary, self.summary.run_id, utcnow()
 
@@ -256,6 +261,21 @@ class _Run:
             self._load(batch, outcome, superseded, now)
         finally:
             stage.drop(conn)
+
+    def _record_seen(self, batch: _Batch) -> None:
+        """Commit the run_inputs rows of a batch of inputs all landed before, and the run's counts."""
+        s, run_id = self.summary, self.summary.run_id
+
+        def body(conn: duckdb.DuckDBPyConnection) -> None:
+            insert_rows(conn, "run_inputs", batch.run_inputs)
+            counts = {c: getattr(s, c) for c in _COUNTERS} | s.sync_commit_stats()
+            conn.execute(
+                "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
+                counts | {"run_id": run_id},
+            )
+
+        warehouse.transaction(self.conn, self.settings, body, message=f"run {run_id} inputs seen before",
+                              extra={"run_id": run_id}, stats=s.stats)
 
     def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, superseded: list[dict], now) -> None:
         """Commit the batch: one transaction, one snapshot, under the commit lock, retried whole
