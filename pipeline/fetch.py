@@ -910,10 +910,12 @@ def ingest_unit(unit: dict[str, Any], settings: Settings | None = None, *, run_i
                   source_stats=False, part=int(unit["part"]))
 
 
-def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str) -> dict[str, Any]:
+def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str,
+                   failed_parts: int = 0) -> dict[str, Any]:
     """After a window's units are ingested: record what could not be fetched in
-    ``fetch_failures`` and close the run (``failed`` when a unit failed: then this raises, so
-    that what follows, materialise and the report, does not run on a partial load)."""
+    ``fetch_failures`` and close the run (``failed`` when a unit failed, or ``failed_parts``
+    says some did — a killed worker's part cannot say so itself: then this raises, so that what
+    follows, materialise and the report, does not run on a partial load)."""
     from .ingest import finish_parts
 
     settings = settings or Settings.from_env()
@@ -924,7 +926,7 @@ def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str
             failures.append(e)
     with warehouse.connect(settings, create=True) as conn:
         _record_failures(conn, settings, window, run_id, failures)
-        status = finish_parts(conn, settings, run_id)
+        status = finish_parts(conn, settings, run_id, failed_parts)
         if status == "failed":
             (error,) = conn.execute("SELECT error FROM runs WHERE run_id = ?", [run_id]).fetchone()
             raise RuntimeError(f"run {run_id}: an ingest part failed: {error}")

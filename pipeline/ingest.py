@@ -575,16 +575,17 @@ def _finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Ru
         extra={"run_id": summary.run_id, "part": summary.part}, stats=summary.stats)
 
 
-def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str) -> str:
-    """Close a run loaded in parts: ``succeeded`` unless a part failed (its error stays).
-    Returns the status."""
+def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, failed_parts: int = 0) -> str:
+    """Close a run loaded in parts: ``succeeded`` unless a part failed (its error stays) or
+    ``failed_parts`` (known to the scheduler) is above 0. Returns the status."""
     def body(c: duckdb.DuckDBPyConnection) -> str:
         row = c.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:  # no part had anything to load
             c.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', 'airflow')",
                       [run_id, utcnow()])
-        status = "failed" if row and row[0] == "failed" else "succeeded"
-        c.execute("UPDATE runs SET status = ?, finished_at = ? WHERE run_id = ?", [status, utcnow(), run_id])
+        status = "failed" if (row and row[0] == "failed") or failed_parts else "succeeded"
+        c.execute("UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?) WHERE run_id = ?",
+                  [status, utcnow(), f"{failed_parts} ingest part(s) failed" if failed_parts else None, run_id])
         return status
 
     return warehouse.transaction(conn, settings, body, message=f"run {run_id} parts finished",
