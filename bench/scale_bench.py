@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--unit", type=int, default=50, help="pages per ingest unit (a fetch chunk)")
     ap.add_argument("--workers", type=int, action="append", help="worker counts to try (default 1 and 2)")
     ap.add_argument("--exports", action="store_true", help="also export batches (gzip JSONL), MB/s")
+    ap.add_argument("--batch-features", type=int, help="features per export batch file (default n/8)")
+    ap.add_argument("--no-pages", action="store_true", help="export batches only")
     args = ap.parse_args()
     counts = args.workers or [1, 2]
 
@@ -144,12 +146,12 @@ def main() -> None:
                        "stop": min(a + args.unit, args.n)} for a in range(0, args.n, args.unit)]
             exports = []
             if args.exports:
-                objects = build_bucket(pages, batch_features=max(1, args.n // 8))
+                objects = build_bucket(pages, batch_features=args.batch_features or max(1, args.n // 8))
                 exports = [(k, v, "export") for k, v in objects.items()]
                 results["export_mb"] = round(sum(len(v) for k, v in objects.items() if k.endswith(".gz")) / 1e6, 1)
                 results["land_exports_seconds"] = round(_land(base, "exports", exports), 2)
             for w in counts:
-                for what in ("pages", *(("exports",) if exports else ())):
+                for what in (*(() if args.no_pages else ("pages",)), *(("exports",) if exports else ())):
                     db = f"bench_{what}_{w}"
                     with psycopg.connect(dsn, autocommit=True) as c:
                         c.execute(f"CREATE DATABASE {db}")
@@ -171,7 +173,8 @@ def main() -> None:
         stop(moto, grace=5)
     results["load_average_after"] = os.getloadavg()
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "scale.json").write_text(json.dumps(results, indent=2))
+    name = "scale-exports.json" if args.no_pages else "scale.json"
+    (OUT / name).write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
 
 
