@@ -107,7 +107,10 @@ class Settings:
 
     @property
     def landing_dir(self) -> Path:
-        """The landing area as a local folder (see ``landing_url`` for an ``s3://`` one)."""
+        """The landing area as a local folder; ValueError when it is on S3 (``landing_root``
+        serves both)."""
+        if self.landing_url.startswith("s3://"):
+            raise ValueError(f"the landing area {self.landing_url} is on S3, not a local folder")
         return Path(self.landing_url)
 
     @property

@@ -349,7 +349,7 @@ class _Run:
 
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
-        landed = land(item, self.settings.landing_dir, self.settings.max_input_bytes)
+        landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
         if landed.sha256 in self.seen_before_this_attempt:
             return  # an earlier attempt of this run already counted and recorded it
         s.n_received += 1

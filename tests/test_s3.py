@@ -85,6 +85,22 @@ def test_landing_on_s3_is_content_addressed_and_once(env, tmp_path, monkeypatch)
     assert not env.client().list_multipart_uploads(Bucket=bucket).get("Uploads")  # none left open
 
 
+def test_files_ingested_from_disk_land_on_s3(env, tmp_path):
+    """`featurehouse ingest FILES` (and the inbox) with an S3 landing area: bytes land there,
+    nothing in a local landing folder."""
+    from tests.conftest import run_ingest
+
+    s = on_s3(tmp_path, env)
+    files = sorted(p for p in (Path(__file__).resolve().parent.parent / "samples").iterdir() if p.is_file())[:2]
+    summary = run_ingest(files, s)
+    assert summary.n_received == 2
+    landed = dict(query(s, "SELECT origin, landed_path FROM raw_inputs"))
+    assert {Path(o).name for o in landed} == {f.name for f in files}
+    for origin, path in landed.items():
+        assert path.startswith("s3://") and read_landed(path) == Path(origin).read_bytes()
+    assert not (s.warehouse / "landing").exists() and not Path("s3:").exists()
+
+
 def test_on_s3_one_ingest_and_units_at_once_match_one_ingest_on_disk(env, tmp_path):
     """The same window fetched on disk and into S3: one ingest on disk; one ingest on S3; and
     the units of the window ingested at once (threads), as the nightly DAG's mapped ingests do,
