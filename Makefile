@@ -42,10 +42,21 @@ up: ## Start Airflow with docker compose (builds the image; writes .env with fre
 	docker compose up -d --build
 	@echo "Airflow: http://localhost:8080 (user admin, password AIRFLOW_ADMIN_PASSWORD in .env); drop pages into ./inbox"
 
+up-scale: ## Start the scale-out deployment: CeleryExecutor, Redis, MinIO, N=2 Celery workers
+	@test -f .env || { echo "AIRFLOW_UID=$$(id -u)"; \
+	  echo "AIRFLOW_JWT_SECRET=$$($(PYTHON) -c 'import secrets; print(secrets.token_hex(32))')"; \
+	  echo "AIRFLOW_ADMIN_PASSWORD=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(12))')"; } > .env
+	@grep -q '^AWS_SECRET_ACCESS_KEY=' .env || { echo "AWS_ACCESS_KEY_ID=featurehouse"; \
+	  echo "AWS_SECRET_ACCESS_KEY=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(24))')"; } >> .env
+	@mkdir -p inbox
+	FEATUREHOUSE_DEPLOYMENT=scale FEATUREHOUSE_WRITER_SLOTS=$$(( $${N:-2} * 2 )) \
+	  docker compose --profile scale up -d --build --scale airflow-worker=$${N:-2}
+	@echo "Airflow: http://localhost:8080; MinIO console: http://localhost:9001 (AWS_* in .env)"
+
 down: ## Stop the docker compose deployment (volumes, and so the warehouse, are kept)
-	docker compose down
+	docker compose --profile scale down
 
 clean: ## Remove the virtualenv, the local warehouse and test output
 	rm -rf $(VENV) warehouse reports test-output bench/out
 
-.PHONY: help setup run test lint bench clean up down
+.PHONY: help setup run test lint bench clean up up-scale down

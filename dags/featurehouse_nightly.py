@@ -10,15 +10,20 @@ warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00
    landing area and never touches the warehouse, so chunks run side by side. A chunk whose URLs
    all failed, or more than `[fetch] max_failed_fraction` (default 0.5) of them, fails its task,
    which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed.
-3. **ingest** parses, validates and loads what the run's window landed. It runs even when some
-   fetch chunks failed, so what did land is loaded tonight; the failures are in `fetch_failures`.
-4. **materialise** refreshes the activation statistics of what the run changed and publishes
-   them as Assets.
-5. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
+3. **units** splits what the run's window landed into ingest units: one per fetch chunk, one
+   per export batch file. It runs even when some fetch chunks failed, so what did land is
+   loaded tonight.
+4. **ingest** is mapped over the units: each parses, validates and loads its share as a part
+   of the night's warehouse run, on any worker, committing side by side with the others.
+5. **finish** records the fetch failures in `fetch_failures` and the run's status (failed, and
+   so is this task, when an ingest part failed).
+6. **materialise** refreshes the activation statistics of what the run changed (the
+   per-source aggregates once, after every part) and publishes them as Assets.
+7. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
    wholly or mostly).
-6. **maintain** expires snapshots past the retention period, merges small files and deletes
+8. **maintain** expires snapshots past the retention period, merges small files and deletes
    unreferenced ones.
-7. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
+9. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
    failed, which marks the run failed once the tasks above have run.
 
 Writers need no exclusive slot: each commit takes the warehouse's commit lock and conflicts are
@@ -115,6 +120,16 @@ def _key(context: dict):
     return context.get("data_interval_start") or context.get("logical_date") or context["dag_run"].run_after
 
 
+def _failed(context: dict, task_id: str) -> int:
+    """How many of this run's ``task_id`` instances failed (a killed worker's task leaves no
+    trace in the warehouse); 0 when the scheduler cannot be asked (``airflow dags test``)."""
+    try:
+        return context["ti"].get_ti_count(dag_id=DAG_ID, task_ids=[task_id], run_ids=[context["run_id"]],
+                                          states=["failed", "upstream_failed"])
+    except Exception:
+        return 0
+
+
 default_args = {
     "owner": "featurehouse",
     "retries": 3,
@@ -156,16 +171,40 @@ def featurehouse_nightly():
 
     # all_done: what the chunks that succeeded landed is still loaded (and failures recorded)
     # tonight, rather than left landed in a window no later run reads.
-    @task(pool="warehouse_writer", trigger_rule="all_done")
-    def ingest(**context) -> dict:
+    @task(trigger_rule="all_done")
+    def units(chunks: list[dict]) -> list[dict]:
+        from airflow.sdk import conf
+
         from pipeline.config import Settings
-        from pipeline.fetch import ingest_fetched
+        from pipeline.plan import ingest_units, load_plan
+
+        settings = Settings.from_env(warehouse=load_plan().warehouse)
+        return ingest_units(chunks, settings, conf.getint("core", "max_map_length"))
+
+    # One ingest per unit (a fetch chunk's pages, an export batch file), on any worker, at once:
+    # each is a part of the night's run and commits under the commit lock; per-source stats wait
+    # for materialise.
+    @task(pool="warehouse_writer")
+    def ingest(unit: dict, **context) -> dict:
+        from pipeline.config import Settings
+        from pipeline.fetch import ingest_unit
+        from pipeline.plan import load_plan, run_id_for
+
+        settings = Settings.from_env(warehouse=load_plan().warehouse)
+        return ingest_unit(unit, settings, run_id=run_id_for(_key(context), DAG_ID)).as_dict()
+
+    # all_done: the run's status and fetch failures are recorded whatever the parts did; it
+    # fails (and so stops materialise and the report) when a part failed.
+    @task(pool="warehouse_writer", trigger_rule="all_done")
+    def finish(**context) -> dict:
+        from pipeline.config import Settings
+        from pipeline.fetch import finish_fetched
         from pipeline.plan import load_plan, run_id_for, window_for
 
         settings = Settings.from_env(warehouse=load_plan().warehouse)
         key = _key(context)
-        return ingest_fetched(window_for(key, DAG_ID), settings, run_id=run_id_for(key, DAG_ID),
-                              trigger="airflow", progress=False, report_after=False).as_dict()
+        return finish_fetched(window_for(key, DAG_ID), settings, run_id=run_id_for(key, DAG_ID),
+                              failed_parts=_failed(context, "ingest"))
 
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def materialise(**context) -> dict:
@@ -195,8 +234,11 @@ def featurehouse_nightly():
     def all_fetched() -> None:
         return None
 
-    fetched = fetch.expand(chunk=plan())
-    reported = fetched >> ingest() >> materialise() >> report() >> maintain()
+    chunks = plan()
+    fetched = fetch.expand(chunk=chunks)
+    todo = units(chunks)
+    fetched >> todo
+    reported = ingest.expand(unit=todo) >> finish() >> materialise() >> report() >> maintain()
     [fetched, reported] >> all_fetched()
 
 

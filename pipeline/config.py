@@ -75,6 +75,15 @@ class Settings:
     lock_timeout: float = 3600.0
     """Seconds a writer waits for the warehouse's commit lock; `$FEATUREHOUSE_LOCK_TIMEOUT`."""
 
+    s3_endpoint: str | None = None
+    """An S3-compatible endpoint for `s3://` data and landing (MinIO, a test server), e.g.
+    `http://minio:9000`; `$FEATUREHOUSE_S3_ENDPOINT`, else `$AWS_ENDPOINT_URL_S3`, else
+    `$AWS_ENDPOINT_URL`, else AWS itself. Credentials are never settings: they come from the
+    standard AWS variables or chain (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, a profile, a role)."""
+
+    s3_region: str = "us-east-1"
+    """The S3 region; `$AWS_REGION`, else `$AWS_DEFAULT_REGION`."""
+
     @property
     def catalog_url(self) -> str:
         """The catalog as DuckLake names it after ``ducklake:`` (``sqlite:...`` or ``postgres:...``)."""
@@ -98,8 +107,17 @@ class Settings:
 
     @property
     def landing_dir(self) -> Path:
-        """The landing area as a local folder (see ``landing_url`` for an ``s3://`` one)."""
+        """The landing area as a local folder; ValueError when it is on S3 (``landing_root``
+        serves both)."""
+        if self.landing_url.startswith("s3://"):
+            raise ValueError(f"the landing area {self.landing_url} is on S3, not a local folder")
         return Path(self.landing_url)
+
+    @property
+    def landing_root(self) -> Path | str:
+        """The landing area: a local folder, or an ``s3://bucket/prefix`` URL (a string)."""
+        url = self.landing_url
+        return url.rstrip("/") if url.startswith("s3://") else Path(url)
 
     @property
     def report_dir(self) -> Path:
@@ -133,6 +151,9 @@ class Settings:
             reports_dir=Path(reports) if reports else None,
             commit_attempts=_env_int("FEATUREHOUSE_COMMIT_ATTEMPTS", cls.commit_attempts),
             lock_timeout=float(_env_str("FEATUREHOUSE_LOCK_TIMEOUT") or cls.lock_timeout),
+            s3_endpoint=_env_str("FEATUREHOUSE_S3_ENDPOINT") or _env_str("AWS_ENDPOINT_URL_S3")
+            or _env_str("AWS_ENDPOINT_URL"),
+            s3_region=_env_str("AWS_REGION") or _env_str("AWS_DEFAULT_REGION") or cls.s3_region,
         )
         known = {f.name for f in fields(cls)}
         clean = {k: v for k, v in overrides.items() if v is not None and k in known}

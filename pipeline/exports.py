@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
-from .land import landed_path
+from .land import Where, publish_file, scratch_dir
 
 __all__ = [
     "ExportObject",
@@ -170,22 +170,23 @@ class _GzipCheck:
 
 def stream_to_landing(
     chunks: Iterator[bytes],
-    landing_dir: Path,
+    landing_dir: Where,
     *,
     expected_size: int | None,
     gzip: bool,
-) -> tuple[str, Path, int]:
+) -> tuple[str, Where, int]:
     """Write ``chunks`` to a temporary file in the landing area while hashing them and, for
     gzip, checking the stream; move it to ``landing/sha256/<ab>/<sha256>`` only when whole.
 
     Returns (sha256, landed path, size). Raises :class:`IncompleteTransfer` when the bytes
     fall short of ``expected_size`` or the gzip stream is cut or corrupt.
     """
-    landing_dir.mkdir(parents=True, exist_ok=True)
+    spool = scratch_dir(landing_dir)
+    spool.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
     check = _GzipCheck() if gzip else None
     n = 0
-    fd, tmp = tempfile.mkstemp(dir=landing_dir, prefix=".landing-")
+    fd, tmp = tempfile.mkstemp(dir=spool, prefix=".landing-")
     try:
         with os.fdopen(fd, "wb") as out:
             for chunk in chunks:
@@ -201,13 +202,8 @@ def stream_to_landing(
         if check:
             check.finish()
         sha = h.hexdigest()
-        dest = landed_path(landing_dir, sha)
-        if dest.exists():
-            Path(tmp).unlink()
-        else:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            os.chmod(tmp, 0o444)
-            os.replace(tmp, dest)  # atomic: a landed export file is always whole
+        # atomic (a rename, or a multipart upload completed): a landed export file is always whole
+        dest, _ = publish_file(Path(tmp), landing_dir, sha, n)
         return sha, dest, n
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -19,7 +19,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,7 +35,7 @@ from requests.adapters import HTTPAdapter
 from tqdm import tqdm
 from urllib3.util.retry import Retry
 
-from . import warehouse
+from . import s3, warehouse
 from .config import Settings
 from .exports import (
     IncompleteTransfer,
@@ -45,7 +46,7 @@ from .exports import (
     stream_to_landing,
 )
 from .ingest import RunSummary, ingest, new_run_id
-from .land import land
+from .land import Where, land, landed_exists
 from .load import utcnow
 from .receive import Input
 
@@ -56,6 +57,9 @@ __all__ = [
     "fetch_exports",
     "fetch_features",
     "ingest_fetched",
+    "ingest_unit",
+    "finish_fetched",
+    "in_unit",
     "manifest_path",
     "read_manifest",
 ]
@@ -137,49 +141,84 @@ class FetchResult:
 # --- manifest -----------------------------------------------------------------------------
 
 
-def manifest_path(window: str, settings: Settings | None = None) -> Path:
-    """``landing/fetch/<window>.jsonl``: one JSON line per URL a fetch in this window finished."""
+def manifest_path(window: str, settings: Settings | None = None) -> Where:
+    """``landing/fetch/<window>.jsonl``: one JSON line per URL a fetch in this window finished.
+    In an S3 landing area, a prefix ``.../fetch/<window>/`` of parts, one per flush of a fetch."""
     settings = settings or Settings.from_env()
     if not window or "/" in window or "\\" in window or window.startswith(".") or "\0" in window:
         raise ValueError(f"window {window!r} cannot name a manifest file (no '/', no leading '.')")
-    return settings.landing_dir / "fetch" / f"{window}.jsonl"
+    root = settings.landing_root
+    if s3.is_s3(root):
+        return f"{root}/fetch/{window}/"
+    return Path(root) / "fetch" / f"{window}.jsonl"
 
 
-def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+def _lines(data: bytes, entries: dict[str, dict[str, Any]]) -> None:
+    for line in data.splitlines():
+        try:
+            e = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(e, dict) and isinstance(e.get("key"), str):
+            entries.pop(e["key"], None)  # keep first-seen order of the latest state
+            entries[e["key"]] = e
+
+
+def read_manifest(path: Where) -> dict[str, dict[str, Any]]:
     """The last line written for each key (a fetch killed mid-write leaves a partial last line,
-    which is skipped)."""
+    which is skipped). On S3, the parts are read in the order they were written."""
     entries: dict[str, dict[str, Any]] = {}
+    if s3.is_s3(path):
+        for url in sorted(s3.list_keys(str(path))):  # part names start with the write time
+            _lines(s3.get_bytes(url), entries)
+        return entries
+    path = Path(path)
     if not path.exists():
         return entries
     with path.open("rb") as f:
         for line in f:
-            try:
-                e = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(e, dict) and isinstance(e.get("key"), str):
-                entries.pop(e["key"], None)  # keep first-seen order of the latest state
-                entries[e["key"]] = e
+            _lines(line, entries)
     return entries
 
 
 class _Manifest:
-    def __init__(self, path: Path):
+    """The window's manifest. On disk, one O_APPEND write per line; on S3 (no appends), lines
+    are buffered and written as a new part every ``_S3_FLUSH_LINES`` lines or
+    ``_S3_FLUSH_SECONDS``, and on close: a fetch killed between flushes asks again for what it
+    had not flushed (its bodies are already landed, so that costs requests, not correctness)."""
+
+    _S3_FLUSH_LINES = 200
+    _S3_FLUSH_SECONDS = 5.0
+
+    def __init__(self, path: Where):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self.on_s3 = s3.is_s3(path)
+        if not self.on_s3:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.entries = read_manifest(path)
         self._lock = threading.Lock()
+        self._buffer: list[bytes] = []
+        self._flushed = time.monotonic()
+        self._part = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._seq = 0
 
     def landed(self, key: str) -> dict[str, Any] | None:
         e = self.entries.get(key)
         if e and e.get("status") in ("landed", "empty"):
-            if e["status"] == "empty" or (e.get("landed_path") and Path(e["landed_path"]).exists()):
+            if e["status"] == "empty" or (e.get("landed_path") and landed_exists(e["landed_path"])):
                 return e
         return None
 
     def append(self, entry: dict[str, Any]) -> None:
         line = orjson.dumps(entry) + b"\n"
         with self._lock:
+            self.entries[entry["key"]] = entry
+            if self.on_s3:
+                self._buffer.append(line)
+                if (len(self._buffer) >= self._S3_FLUSH_LINES
+                        or time.monotonic() - self._flushed >= self._S3_FLUSH_SECONDS):
+                    self._flush()
+                return
             # One write on an O_APPEND descriptor: lines from parallel fetches never interleave.
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
@@ -187,7 +226,19 @@ class _Manifest:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self.entries[entry["key"]] = entry
+
+    def _flush(self) -> None:
+        if self._buffer:
+            self._seq += 1
+            name = f"{time.time_ns():020d}-{self._part}-{self._seq:06d}.jsonl"
+            s3.put_bytes(f"{self.path}{name}", b"".join(self._buffer))
+            self._buffer.clear()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.on_s3:
+                self._flush()
 
 
 # --- rate budget --------------------------------------------------------------------------
@@ -415,7 +466,7 @@ class _Client:
             self.check(resp)
             return resp.content
 
-    def download(self, url: str, landing_dir: Path, *, size: int | None, gzip: bool) -> tuple[str, Path, int]:
+    def download(self, url: str, landing_dir: Where, *, size: int | None, gzip: bool) -> tuple[str, Where, int]:
         resp = self.session.get(url, stream=True, timeout=self.timeout)
         with resp:
             self.check(resp)
@@ -543,7 +594,7 @@ class _Fetcher:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _feature_job(client: _Client, landing: Path, base_url: str, model: str, source: str, index: int,
+def _feature_job(client: _Client, landing: Where, base_url: str, model: str, source: str, index: int,
                  max_bytes: int) -> _Job:
     url = f"{base_url.rstrip('/')}/api/feature/{quote(model, safe='')}/{quote(source, safe='')}/{index}"
 
@@ -556,7 +607,7 @@ def _feature_job(client: _Client, landing: Path, base_url: str, model: str, sour
     return _Job(f"{model}/{source}/{index}", url, "feature", run)
 
 
-def _offset_job(client: _Client, landing: Path, base_url: str, model: str, source: str, offset: int,
+def _offset_job(client: _Client, landing: Where, base_url: str, model: str, source: str, offset: int,
                 max_bytes: int) -> _Job:
     url = f"{base_url.rstrip('/')}/api/features-offset"
     origin = f"{url}#modelId={quote(model)}&layer={quote(source)}&offset={offset}"
@@ -616,7 +667,7 @@ def fetch_features(
     started = time.monotonic()
     client = _Client(api_key=api_key, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
                      requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff)
-    landing, limit = settings.landing_dir, settings.max_input_bytes
+    landing, limit = settings.landing_root, settings.max_input_bytes
     try:
         if not all_features:
             todo = sorted(set(int(i) for i in indices))  # type: ignore[union-attr]
@@ -637,11 +688,12 @@ def fetch_features(
                 bar.close()
     finally:
         client.close()
+        manifest.close()
     result.seconds = round(time.monotonic() - started, 3)
     return result
 
 
-def _fetch_all(client: _Client, manifest: _Manifest, result: FetchResult, bar: _Progress, landing: Path,
+def _fetch_all(client: _Client, manifest: _Manifest, result: FetchResult, bar: _Progress, landing: Where,
                base_url: str, model: str, source: str, limit: int, concurrency: int) -> None:
     """Page through features-offset in waves of ``concurrency`` pages, until a short page."""
     paging = OffsetPaging()
@@ -701,7 +753,7 @@ def fetch_exports(
         chosen = select_exports(objects, prefix, batches)
         if not chosen:
             log.warning("no export files under %s/%s", bucket, prefix)
-        landing = settings.landing_dir
+        landing = settings.landing_root
 
         def job(obj) -> _Job:
             url = f"{bucket}/{quote(obj.key)}"
@@ -728,11 +780,55 @@ def fetch_exports(
                          "last_error": str(exc), "fetched_at": utcnow().isoformat()})
     finally:
         client.close()
+        manifest.close()
     result.seconds = round(time.monotonic() - started, 3)
     return result
 
 
 # --- ingest what a window landed ----------------------------------------------------------
+
+
+def _window_inputs(entries: Iterable[dict[str, Any]], settings: Settings,
+                   failures: list[dict[str, Any]]) -> list[Input] | Iterator[Input]:
+    """The landed bodies of manifest ``entries`` as inputs; what did not land (or is gone)
+    goes to ``failures``. Bodies in an S3 landing area are read ahead by a few threads (small
+    ones whole; export batches stay there, for DuckDB to stream)."""
+    local: list[Input] = []
+    remote: list[dict[str, Any]] = []
+    for e in entries:
+        if e.get("status") == "landed":
+            if s3.is_s3(e.get("landed_path")):
+                remote.append(e)
+                continue
+            path = Path(e["landed_path"])
+            if path.exists():
+                local.append(Input(origin=e["url"], path=path, captured_at=_fetched_at(e)))
+                continue
+            e = e | {"status": "failed", "last_error": f"landed file {path} is missing; fetch again"}
+        if e.get("status") in ("failed", "not_found"):
+            failures.append(e)
+    if not remote:
+        return local
+
+    def read(e: dict[str, Any]) -> Input | None:
+        small = (e.get("n_bytes") or 0) <= settings.max_input_bytes and not e["landed_path"].endswith(".gz") \
+            and e.get("kind") != "export"
+        try:
+            data = s3.get_bytes(e["landed_path"], settings) if small else None
+        except Exception as exc:  # gone from the bucket: fetch it again next time
+            failures.append(e | {"status": "failed", "last_error": f"landed object {e['landed_path']} "
+                                                                   f"cannot be read ({type(exc).__name__}); fetch again"})
+            return None
+        return Input(origin=e["url"], data=data, captured_at=_fetched_at(e),
+                     landed=(e["sha256"], e["landed_path"]))
+
+    def ahead() -> Iterator[Input]:
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="s3-read") as pool:
+            yield from local
+            for i in range(0, len(remote), 64):  # bounded: at most 64 bodies in hand ahead
+                yield from (x for x in pool.map(read, remote[i:i + 64]) if x is not None)
+
+    return ahead()
 
 
 def ingest_fetched(
@@ -754,19 +850,20 @@ def ingest_fetched(
     settings = settings or Settings.from_env()
     entries = read_manifest(manifest_path(window, settings))
     run_id = run_id or new_run_id()
-    inputs: list[Input] = []
     failures: list[dict[str, Any]] = []
-    for e in entries.values():
-        if e.get("status") == "landed":
-            path = Path(e["landed_path"])
-            if path.exists():
-                inputs.append(Input(origin=e["url"], path=path, captured_at=_fetched_at(e)))
-                continue
-            e = e | {"status": "failed", "last_error": f"landed file {path} is missing; fetch again"}
-        if e.get("status") in ("failed", "not_found"):
-            failures.append(e)
+    inputs = _window_inputs(entries.values(), settings, failures)
     # The report is written after fetch_failures holds this run's rows: it lists them and judges by them.
     summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False)
+    with warehouse.connect(settings) as conn:
+        _record_failures(conn, settings, window, run_id, failures)
+        if report_after:  # as in ingest: a report that cannot be written does not fail the run
+            from .ingest import _write_report
+
+            _write_report(conn, summary, settings)
+    return summary
+
+
+def _record_failures(conn, settings: Settings, window: str, run_id: str, failures: list[dict[str, Any]]) -> None:
     now = utcnow()
 
     def record(conn) -> None:
@@ -779,14 +876,61 @@ def ingest_fetched(
                   now] for e in failures],
             )
 
-    with warehouse.connect(settings) as conn:
-        warehouse.transaction(conn, settings, record, message=f"run {run_id} fetch failures",
-                              extra={"run_id": run_id})
-        if report_after:  # as in ingest: a report that cannot be written does not fail the run
-            from .ingest import _write_report
+    warehouse.transaction(conn, settings, record, message=f"run {run_id} fetch failures", extra={"run_id": run_id})
 
-            _write_report(conn, summary, settings)
-    return summary
+
+def in_unit(entry: dict[str, Any], unit: dict[str, Any]) -> bool:
+    """Whether a manifest entry belongs to an ingest unit (see :func:`pipeline.plan.ingest_units`):
+    the unit's export files by key, or its source's pages in its index range (or all of them)."""
+    if "keys" in unit:
+        return entry.get("key") in unit["keys"]
+    if entry.get("model") != unit["model"] or entry.get("source") != unit["source"]:
+        return False
+    if unit.get("all"):
+        return entry.get("kind") == "offset"
+    if entry.get("kind") != "feature":
+        return False
+    index = str(entry.get("key", "")).rsplit("/", 1)[-1]
+    return index.isdigit() and unit["start"] <= int(index) < unit["stop"]
+
+
+def ingest_unit(unit: dict[str, Any], settings: Settings | None = None, *, run_id: str,
+                trigger: str = "airflow", progress: bool | None = False) -> RunSummary:
+    """Ingest one unit of a window (one fetch chunk's pages, or one export batch file) as part
+    ``unit["part"]`` of ``run_id``, alongside the other units' ingests (any machine, at once).
+
+    Per-feature statistics are refreshed in each batch's commit; the per-source aggregates are
+    left to one ``materialise`` after every unit is in, and the run's status and fetch failures
+    to :func:`finish_fetched`.
+    """
+    settings = settings or Settings.from_env()
+    entries = read_manifest(manifest_path(unit["window"], settings))
+    inputs = _window_inputs((e for e in entries.values() if in_unit(e, unit)), settings, [])
+    return ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False,
+                  source_stats=False, part=int(unit["part"]))
+
+
+def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str,
+                   failed_parts: int = 0) -> dict[str, Any]:
+    """After a window's units are ingested: record what could not be fetched in
+    ``fetch_failures`` and close the run (``failed`` when a unit failed, or ``failed_parts``
+    says some did — a killed worker's part cannot say so itself: then this raises, so that what
+    follows, materialise and the report, does not run on a partial load)."""
+    from .ingest import finish_parts
+
+    settings = settings or Settings.from_env()
+    failures: list[dict[str, Any]] = []
+    entries = read_manifest(manifest_path(window, settings))
+    for e in entries.values():
+        if e.get("status") in ("failed", "not_found"):
+            failures.append(e)
+    with warehouse.connect(settings, create=True) as conn:
+        _record_failures(conn, settings, window, run_id, failures)
+        status = finish_parts(conn, settings, run_id, failed_parts)
+        if status == "failed":
+            (error,) = conn.execute("SELECT error FROM runs WHERE run_id = ?", [run_id]).fetchone()
+            raise RuntimeError(f"run {run_id}: an ingest part failed: {error}")
+    return {"run_id": run_id, "status": status, "n_fetch_failures": len(failures)}
 
 
 def _fetched_at(entry: dict[str, Any]):

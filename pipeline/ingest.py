@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from tqdm import tqdm
 
 from . import materialise, runstate, stage, validate, warehouse
 from .config import Settings
-from .land import Landed, land
+from .land import Landed, land, open_landed, read_landed
 from .load import (
     DATA_TABLES,
     REFERENCE_KEYS,
@@ -41,12 +42,15 @@ from .names import check_run_id
 from .parse import Rejected, first_line, gunzip_measure, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
+from .s3 import is_s3
 
-__all__ = ["RunSummary", "ingest", "new_run_id", "record_report"]
+__all__ = ["RunSummary", "ingest", "new_run_id", "record_report", "finish_parts", "PART_BATCHES"]
 
 log = logging.getLogger("featurehouse")
 
 _MAX_INPUTS_PER_BATCH = 1000
+PART_BATCHES = 100_000
+"""Batch numbers of one part of a run: part i numbers its batches from i * PART_BATCHES + 1."""
 
 
 def new_run_id(prefix: str = "run") -> str:
@@ -82,6 +86,10 @@ class RunSummary:
     report_path: str | None = None
     stats: warehouse.CommitStats = field(default_factory=warehouse.CommitStats, repr=False)
     """Accumulates over the run's transactions; copied into the fields above."""
+    part: int | None = None
+    """Set when this ingest is one of several loading one run at once (``ingest(part=...)``)."""
+    written: dict[str, float] = field(default_factory=dict, repr=False)
+    """A part's counters as already added to the shared ``runs`` row."""
 
     def sync_commit_stats(self) -> dict[str, float]:
         self.commits, self.commit_retries = self.stats.commits, self.stats.retries
@@ -93,6 +101,7 @@ class RunSummary:
         self.sync_commit_stats()
         d = asdict(self)
         d.pop("stats")
+        d.pop("written")
         d["rejected"] = d["rejected"][:50]
         return d
 
@@ -150,11 +159,6 @@ def _duckdb_readable(data: bytes) -> bool:
 _LIMIT_MARK = "FEATUREHOUSE_MAX_"  # every size-limit refusal names its setting
 
 
-def _head(path: Path, n: int = 1 << 22) -> bytes:
-    with path.open("rb") as f:
-        return f.read(n)
-
-
 def _export_table(data: bytes) -> str | None:
     """For a gzip bulk-export batch of feature, activation or explanation rows, the table it
     loads: DuckDB reads these as a stream, so a batch far larger than memory still loads."""
@@ -184,7 +188,9 @@ class _Run:
         self.settings = settings
         self.summary = summary
         self.reprocess = reprocess
-        self.batch_no = 0
+        self.scratch = settings.warehouse / ".tmp" / f"pages-{uuid.uuid4().hex}"
+        # parts of one run number their batches apart: part i's are i * PART_BATCHES + 1, + 2, ...
+        self.batch_no = (summary.part or 0) * PART_BATCHES
         self.captured: dict[str, datetime] = {}  # input digest → when this capture was made
         # Inputs already landed. Those refused only for a size limit are looked at again: raising
         # FEATUREHOUSE_MAX_* is how a person acts on that reason, so the outcome may change.
@@ -212,13 +218,13 @@ class _Run:
         self.batch_no += 1
         conn, s, run_id, now = self.conn, self.summary, self.summary.run_id, utcnow()
 
-        if self.batch_no == 1:
+        if self.batch_no % PART_BATCHES == 1:
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too.
             threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
         # DuckDB reads API-JSON pages and gzip export rows; what it cannot read cleanly takes the
         # Python road, which parses it or refuses it with a precise reason.
-        fast_ok = stage.read_api_json(conn, [(landed.sha256, landed.path) for landed in batch.fast])
+        fast_ok = stage.read_api_json(conn, [(landed.sha256, self._local(landed)) for landed in batch.fast])
         export_ok = stage.read_exports(
             conn, {t: [(landed.sha256, landed.path) for landed in group] for t, group in batch.exports.items()}
         )
@@ -230,7 +236,8 @@ class _Run:
                 s.n_loaded += 1
                 batch.inputs.append((landed, fmt, None))
             else:
-                self._parse(batch, replace(landed, data=landed.path.read_bytes()))
+                self._parse(batch, replace(landed, data=landed.data or read_landed(landed.path)))
+        self._clear_scratch()
         records: dict[str, list[tuple[str, Any]]] = {t: [] for t in stage.STAGED_TABLES}
         for sha, p in batch.parsed:
             for table in records:
@@ -350,20 +357,19 @@ class _Run:
             delta |= {"n_quarantined": len(failed), "n_superseded": len(gone), "n_expectations": len(results),
                       "n_expectations_failed": sum(not r["success"] for r in results)}
             counts = {c: getattr(s, c) + delta.get(c, 0) for c in _COUNTERS} | s.sync_commit_stats()
-            conn.execute(
-                "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
-                counts | {"run_id": run_id},
-            )
-            return delta
+            _write_counts(conn, s, counts)
+            return delta, counts
 
-        delta = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
-                                      extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+        delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
+                                              extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+        if s.part is not None:
+            s.written = counts
         for c, n in delta.items():
             setattr(s, c, getattr(s, c) + n)
 
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
-        landed = land(item, self.settings.landing_dir, self.settings.max_input_bytes)
+        landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
         if landed.sha256 in self.seen_before_this_attempt:
             return  # an earlier attempt of this run already counted and recorded it
         s.n_received += 1
@@ -377,16 +383,18 @@ class _Run:
         if landed.sha256 not in self.landed_before:
             s.n_landed += 1
         if landed.data is not None and _duckdb_readable(landed.data):
-            batch.fast.append(replace(landed, data=None))  # DuckDB reads it from the landing area
+            # DuckDB reads it from the landing area (from S3, a local copy of the bytes in hand)
+            batch.fast.append(landed if is_s3(landed.path) else replace(landed, data=None))
             batch.n_bytes += landed.n_bytes
             # its activations, for the batch limit: each carries one "tokens" key (a cheap count;
             # the page itself is not parsed in Python)
             batch.n_activations += landed.data.count(b'"tokens"')
-        elif (table := _export_table(landed.data or _head(landed.path))) is not None:
+        elif (table := _export_table(landed.data or read_landed(landed.path, 1 << 22))) is not None:
             # An export batch: DuckDB streams it from the landing area, however large. It is
             # checked whole first (CRC, end marker, size limit), never held in memory.
-            try:
-                size, lines = gunzip_measure(landed.path, self.settings.max_decompressed_bytes)
+            try:  # on S3 this reads the object once more: the price of never trusting a size
+                with open_landed(landed.path) as stream:
+                    size, lines = gunzip_measure(stream, self.settings.max_decompressed_bytes)
             except Rejected as exc:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
@@ -402,6 +410,19 @@ class _Run:
             self._reject(batch, landed, "unknown", reason)
         else:
             self._parse(batch, landed)
+
+    def _local(self, landed: Landed) -> Path:
+        """A page's landed file for DuckDB: itself on disk; from S3, its bytes (in hand) written
+        to a local scratch file, cheaper than one S3 request per page from DuckDB."""
+        if not is_s3(landed.path):
+            return Path(landed.path)
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        path = self.scratch / landed.sha256
+        path.write_bytes(landed.data or read_landed(landed.path))
+        return path
+
+    def _clear_scratch(self) -> None:
+        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _parse(self, batch: _Batch, landed: Landed) -> None:
         try:
@@ -447,6 +468,7 @@ def ingest(
     materialise_after: bool = True,
     source_stats: bool = True,
     report_after: bool = True,
+    part: int | None = None,
 ) -> RunSummary:
     """Ingest files, folders or in-memory inputs into the warehouse, and return what happened.
 
@@ -459,11 +481,16 @@ def ingest(
     aggregates to a later ``materialise`` (parallel loads of one source). With ``report_after``
     (the default) the run's HTML report is written last (``summary.report_path``); a report
     that cannot be written is logged and does not fail the run.
+
+    ``part`` (0, 1, ...) makes this ingest one of several loading the same ``run_id`` at once
+    (the nightly DAG's mapped ingests, each a disjoint share of the inputs): each part adds its
+    counts to the run's row instead of storing its own, numbers its batches apart, and leaves
+    the run's status to :func:`finish_parts`, called once all parts are done.
     """
     settings = settings or Settings.from_env()
     todo, total = _expand(inputs)
     run_id = check_run_id(run_id or new_run_id())  # it names the report: refuse "../x" before writing
-    summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse))
+    summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse), part=part)
     started = time.monotonic()
     conn = warehouse.connect(settings, create=True)
     try:
@@ -504,15 +531,35 @@ def ingest(
     return summary
 
 
+def _write_counts(conn: duckdb.DuckDBPyConnection, summary: RunSummary, counts: dict[str, float]) -> None:
+    """Store the run's counters. A part of a shared run adds what it counted since its last
+    write (parts commit one at a time under the commit lock, so the sums are exact); a whole
+    run stores its totals."""
+    if summary.part is None:
+        conn.execute("UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
+                     counts | {"run_id": summary.run_id})
+        return
+    add = {c: v - summary.written.get(c, 0) for c, v in counts.items()}
+    conn.execute("UPDATE runs SET " + ", ".join(f"{c} = coalesce({c}, 0) + ${c}" for c in add)
+                 + " WHERE run_id = $run_id", add | {"run_id": summary.run_id})
+
+
 def _start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary, trigger: str) -> None:
     """Record the run as running, and which process runs it (``runs.host``, ``runs.pid``: how a
-    later run tells it was killed); a retry of the same run id carries on from its counts."""
-    owner = {"host": runstate.this_host(), "pid": os.getpid()}
+    later run tells it was killed); a retry of the same run id carries on from its counts. A
+    part of a shared run makes the row if it is the first, and clears its own earlier failure;
+    a shared run records no owner (its parts run in many processes, and the DAG's ``finish``
+    task settles its status), so it is never taken for abandoned.
+    """
+    owner = {"host": runstate.this_host(), "pid": os.getpid()} if summary.part is None else {"host": None, "pid": None}
 
     def body(conn: duckdb.DuckDBPyConnection) -> None:
         stored = conn.execute(f"SELECT {', '.join(_COUNTERS + _COMMIT_FIELDS)} FROM runs WHERE run_id = ?",
                               [summary.run_id]).fetchone()
-        if stored:  # a retry of the same run: carry on from what its earlier attempts counted
+        if stored and summary.part is not None:
+            conn.execute("UPDATE runs SET status = 'running', error = NULL WHERE run_id = ? AND status = 'failed' "
+                         "AND starts_with(error, ?)", [summary.run_id, _part_tag(summary.part)])
+        elif stored:  # a retry of the same run: carry on from what its earlier attempts counted
             for name, value in zip(_COUNTERS, stored):
                 setattr(summary, name, value or 0)
             st = summary.stats
@@ -529,16 +576,52 @@ def _start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
                           extra={"run_id": summary.run_id}, stats=summary.stats)
 
 
+def _part_tag(part: int) -> str:
+    return f"part c{part}: "
+
+
 def _finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
                 error: str | None = None) -> None:
+    def part_body(c: duckdb.DuckDBPyConnection) -> dict[str, float]:
+        counts = {k: getattr(summary, k) for k in _COUNTERS} | summary.sync_commit_stats()
+        _write_counts(c, summary, counts)
+        if error is not None:  # the run fails with its part; the part's retry clears it (_start_run)
+            c.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+                      [_part_tag(summary.part) + error, summary.run_id])
+        return counts
+
     def body(c: duckdb.DuckDBPyConnection) -> None:
         stats = summary.sync_commit_stats()
         c.execute("UPDATE runs SET status = $status, finished_at = $at, error = $error, "
                   + ", ".join(f"{k} = ${k}" for k in stats) + " WHERE run_id = $run_id",
                   {"status": summary.status, "at": utcnow(), "error": error, "run_id": summary.run_id} | stats)
 
-    warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} {summary.status}",
-                          extra={"run_id": summary.run_id}, stats=summary.stats)
+    if summary.part is None:
+        warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} {summary.status}",
+                              extra={"run_id": summary.run_id}, stats=summary.stats)
+        return
+    # A part only adds its counts: the run's status is decided once all parts are done
+    # (pipeline.fetch.finish_fetched).
+    summary.written = warehouse.transaction(
+        conn, settings, part_body, message=f"run {summary.run_id} part c{summary.part} {summary.status}",
+        extra={"run_id": summary.run_id, "part": summary.part}, stats=summary.stats)
+
+
+def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, failed_parts: int = 0) -> str:
+    """Close a run loaded in parts: ``succeeded`` unless a part failed (its error stays) or
+    ``failed_parts`` (known to the scheduler) is above 0. Returns the status."""
+    def body(c: duckdb.DuckDBPyConnection) -> str:
+        row = c.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        if row is None:  # no part had anything to load
+            c.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', 'airflow')",
+                      [run_id, utcnow()])
+        status = "failed" if (row and row[0] == "failed") or failed_parts else "succeeded"
+        c.execute("UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?) WHERE run_id = ?",
+                  [status, utcnow(), f"{failed_parts} ingest part(s) failed" if failed_parts else None, run_id])
+        return status
+
+    return warehouse.transaction(conn, settings, body, message=f"run {run_id} parts finished",
+                                 extra={"run_id": run_id})
 
 
 def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path) -> None:

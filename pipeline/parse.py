@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import jsonschema
 import orjson
@@ -90,7 +90,7 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
     return b"".join(_gunzip_chunks(data, limit))
 
 
-def gunzip_measure(path: Path, limit: int) -> tuple[int, int]:
+def gunzip_measure(path: Path | IO[bytes], limit: int) -> tuple[int, int]:
     """The decompressed size and line count of a gzip file, checked whole (CRC, end marker)
     and within ``limit``, streamed 1 MiB at a time: memory stays flat however large the file."""
     produced = lines = 0

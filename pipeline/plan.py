@@ -46,6 +46,7 @@ __all__ = [
     "window_for",
     "run_id_for",
     "fetch_chunk",
+    "ingest_units",
     "FetchChunkFailed",
     "too_many_failed",
 ]
@@ -439,3 +440,39 @@ def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None
             "for the ingest; a retry asks only for the rest"
         )
     return result.as_dict()
+
+
+def ingest_units(chunks_: list[dict[str, Any]], settings=None,
+                 max_map_length: int = DEFAULT_MAX_MAP_LENGTH) -> list[dict[str, Any]]:
+    """What the nightly DAG's mapped ingest runs over, after the fetch: one unit per API chunk
+    (its source and index range), and one per landed export batch file (the small model,
+    source and source-set files of a source together), each numbered ``part`` 0, 1, ... Units
+    are disjoint, so their ingests can load at once on any workers. Export files are packed
+    several to a unit when there would be more than ``max_map_length`` units.
+    """
+    from .fetch import manifest_path, read_manifest
+
+    units: list[dict[str, Any]] = []
+    exports: list[list[str]] = []
+    manifests: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in chunks_:
+        if c["via"] != "exports":
+            units.append({k: c[k] for k in ("window", "model", "source", "via", "start", "stop", "all") if k in c})
+            continue
+        if c["window"] not in manifests:
+            manifests[c["window"]] = read_manifest(manifest_path(c["window"], settings))
+        landed = [e["key"] for e in manifests[c["window"]].values()
+                  if e.get("kind") == "export" and e.get("status") == "landed"
+                  and e.get("model") == c["model"] and e.get("source") == c["source"]]
+        batches = sorted(k for k in landed if "/batch-" in k)
+        small = sorted(k for k in landed if "/batch-" not in k)
+        exports += [[c["window"], *small]] if small else []
+        exports += [[c["window"], k] for k in batches]
+    room = max(1, max_map_length - len(units))
+    if len(exports) > room:  # pack several files (of one window) to a unit
+        packed: dict[tuple[str, int], list[str]] = {}
+        for i, (window, *keys) in enumerate(exports):
+            packed.setdefault((window, i % room), []).extend(keys)
+        exports = [[w, *keys] for (w, _), keys in packed.items()]
+    units += [{"window": window, "via": "exports", "keys": keys} for window, *keys in exports]
+    return [u | {"part": i} for i, u in enumerate(units)]

@@ -26,6 +26,9 @@ class Input:
     captured_at: datetime | None = None
     """When this capture of the page was made (naive UTC): the fetch time for fetched bodies;
     None means the file's modification time (or, for bytes in hand, the time it is landed)."""
+    landed: tuple[str, str] | None = None
+    """(sha256, ``s3://`` URL) of bytes already in an S3 landing area (a fetched body): they
+    are read from there, never landed again; ``data``, when given, holds them."""
 
     @property
     def size(self) -> int:

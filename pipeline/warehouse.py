@@ -114,8 +114,15 @@ def extension_path(name: str) -> str:
 def _extensions(settings: Settings) -> list[str]:
     names = ["ducklake", "sqlite_scanner" if settings.catalog_kind == "sqlite" else "postgres_scanner"]
     if settings.uses_s3:
-        names += ["httpfs", "aws"]
+        names += _s3_extensions()
     return names
+
+
+def _s3_extensions() -> list[str]:
+    # `aws` only for DuckDB's credential chain: with keys in the variables httpfs is enough, and
+    # each LOAD costs a connection ~0.4 s
+    keys = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+    return ["httpfs"] if keys else ["httpfs", "aws"]
 
 
 def _q(s: str) -> str:
@@ -151,11 +158,9 @@ def _is_duckdb_file(path: Path) -> bool:
         return False
 
 
-def _s3_secret(conn: duckdb.DuckDBPyConnection) -> None:
-    """An S3 secret from the standard AWS variables (and FEATUREHOUSE_S3_* for an endpoint such
-    as MinIO or a local test server). Values are passed as parameters, never logged."""
-    endpoint = os.environ.get("FEATUREHOUSE_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL_S3") \
-        or os.environ.get("AWS_ENDPOINT_URL")
+def _s3_secret(conn: duckdb.DuckDBPyConnection, settings: Settings) -> None:
+    """An S3 secret from the settings' endpoint and region and the standard AWS credentials
+    (variables, else DuckDB's credential chain). Values are inlined quoted, never logged."""
     opts = ["TYPE s3"]
     params: list[Any] = []
     key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
@@ -168,9 +173,9 @@ def _s3_secret(conn: duckdb.DuckDBPyConnection) -> None:
     else:
         opts.append("PROVIDER credential_chain")
     opts.append("REGION ?")
-    params.append(os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
-    if endpoint:
-        scheme, _, host = endpoint.rpartition("://")
+    params.append(settings.s3_region)
+    if settings.s3_endpoint:
+        scheme, _, host = settings.s3_endpoint.rpartition("://")
         opts += ["ENDPOINT ?", "URL_STYLE 'path'", f"USE_SSL {'false' if scheme == 'http' else 'true'}"]
         params.append(host.rstrip("/"))
     # CREATE SECRET takes no prepared parameters: inline them quoted, and never log the statement.
@@ -198,12 +203,13 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
     if not read_only:
         # spills go into the warehouse folder, not into the current directory
         config["temp_directory"] = str(wh / ".tmp")
+    config["autoinstall_known_extensions"] = False  # never reach for the network: load from the wheels
     conn = duckdb.connect(config=config)
     try:
         for name in _extensions(settings):
             conn.execute(f"LOAD '{_q(extension_path(name))}'")
         if settings.uses_s3:
-            _s3_secret(conn)
+            _s3_secret(conn, settings)
         if read_only or exists is True or not create:
             _attach(conn, settings, ["READ_ONLY"] if read_only else
                     (["CREATE_IF_NOT_EXISTS false"] if exists is None else []))
@@ -234,7 +240,17 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
 def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]) -> None:
     suffix = f" ({', '.join(opts)})" if opts else ""
     try:
-        conn.execute(f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix}")
+        try:
+            conn.execute(f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix}")
+        except duckdb.Error as exc:
+            # The catalog keeps the data path: an s3:// one the settings did not name (a reader
+            # given only the catalog) needs httpfs and the secret, loaded offline, not downloaded.
+            if "httpfs" not in str(exc) or settings.uses_s3:
+                raise
+            for name in _s3_extensions():
+                conn.execute(f"LOAD '{_q(extension_path(name))}'")
+            _s3_secret(conn, settings)
+            conn.execute(f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix}")
     except duckdb.Error as exc:
         msg = str(exc)
         if "creating a new DuckLake is explicitly disabled" in msg or "not initialized" in msg.lower():

@@ -28,6 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 COMMON_ENV_FILE = DEPLOY / "airflow.env"
+SCALE_ENV_FILE = DEPLOY / "airflow-scale.env"
+"""Read after COMMON_ENV_FILE by the scale-out deployment (CeleryExecutor, S3 storage)."""
 INIT_SCRIPT = DEPLOY / "airflow-init.sh"
 AIRFLOW = Path(sys.executable).parent / "airflow"
 
@@ -42,6 +44,12 @@ LOCATION_KEYS = frozenset({
     "FEATUREHOUSE_WAREHOUSE",
     "FEATUREHOUSE_CATALOG",
     "FEATUREHOUSE_INBOX",
+    # the scale-out deployment's (SCALE_ENV_FILE)
+    "AIRFLOW__CELERY__BROKER_URL",
+    "AIRFLOW__CELERY__RESULT_BACKEND",
+    "FEATUREHOUSE_S3_ENDPOINT",
+    "FEATUREHOUSE_DATA_PATH",
+    "FEATUREHOUSE_LANDING",
 })
 
 #: Settings a test adds that the deployment takes from the environment (secrets, ports, home).
@@ -49,6 +57,17 @@ EXTRA_KEYS = frozenset({
     "AIRFLOW_HOME", "AIRFLOW__API__PORT", "AIRFLOW__API__HOST", "AIRFLOW__API_AUTH__JWT_SECRET",
     "AIRFLOW_ADMIN_PASSWORD", "NEURONPEDIA_API_KEY", "FEATUREHOUSE_INBOX_SETTLE_SECONDS",
     "NEURONPEDIA_BASE_URL", "NEURONPEDIA_EXPORTS_URL", "AIRFLOW__LOGGING__BASE_LOG_FOLDER",
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FEATUREHOUSE_WRITER_SLOTS",
+})
+
+#: Settings only the Celery test adds: two workers on one machine need their own task-instance
+#: hostnames (containers have theirs), and a killed worker's task is noticed in seconds, not minutes.
+CELERY_TEST_KEYS = frozenset({
+    "AIRFLOW__CORE__HOSTNAME_CALLABLE",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT",
+    "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL",
+    "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL",
+    "PYTHONPATH",
 })
 
 #: The Airflow processes of a deployment, by docker-compose service name: the arguments to `airflow`.
@@ -57,6 +76,11 @@ SERVICES: dict[str, list[str]] = {
     "scheduler": ["scheduler"],
     "dag-processor": ["dag-processor"],
     "triggerer": ["triggerer"],
+}
+
+#: What the scale-out deployment adds (docker compose --profile scale): Celery workers.
+SCALE_SERVICES: dict[str, list[str]] = {
+    "airflow-worker": ["celery", "worker"],
 }
 
 ADMIN_USER = "admin"
@@ -73,16 +97,19 @@ def read_env_file(path: Path = COMMON_ENV_FILE) -> dict[str, str]:
     return out
 
 
-def airflow_env(home: Path, **overrides: str) -> dict[str, str]:
-    """The environment for `airflow` commands: the deployment's shared settings, with places replaced.
+def airflow_env(home: Path, *, scale: bool = False, **overrides: str) -> dict[str, str]:
+    """The environment for `airflow` commands: the deployment's shared settings, with places replaced
+    (``scale``: the scale-out deployment's, deploy/airflow-scale.env read after them).
 
     Raises AssertionError when asked to replace a setting that is not a place: that would make
     the tests prove a different deployment than the one docker-compose.yml describes.
     """
-    bad = set(overrides) - LOCATION_KEYS - EXTRA_KEYS
+    bad = set(overrides) - LOCATION_KEYS - EXTRA_KEYS - (CELERY_TEST_KEYS if scale else set())
     assert not bad, f"tests may only replace places and secrets, not {sorted(bad)}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "FEATUREHOUSE_", "NEURONPEDIA_"))}
     env |= read_env_file()
+    if scale:
+        env |= read_env_file(SCALE_ENV_FILE)
     env |= {
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",

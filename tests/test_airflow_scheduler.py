@@ -113,9 +113,12 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
             assert len(fetches) == 4 and {t["pool"] for t in fetches} == {"neuronpedia_api"}
             assert all(t["state"] == "success" for t in tis["task_instances"])
             writers = {t["task_id"]: t["pool"] for t in tis["task_instances"] if t["task_id"] != "fetch"}
-            assert writers == {"plan": "default_pool", "ingest": "warehouse_writer",
-                               "materialise": "warehouse_writer", "report": "default_pool",
-                               "maintain": "warehouse_writer", "all_fetched": "default_pool"}
+            assert writers == {"plan": "default_pool", "units": "default_pool", "ingest": "warehouse_writer",
+                               "finish": "warehouse_writer", "materialise": "warehouse_writer",
+                               "report": "default_pool", "maintain": "warehouse_writer",
+                               "all_fetched": "default_pool"}
+            # and the mapped ingest, one part per fetch chunk
+            assert len([t for t in tis["task_instances"] if t["task_id"] == "ingest"]) == 4
         finally:
             for proc in reversed(list(procs.values())):
                 stop(proc)

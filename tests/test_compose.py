@@ -25,6 +25,8 @@ from tests.airflow_helpers import (
     INIT_SCRIPT,
     LOCATION_KEYS,
     REPO,
+    SCALE_ENV_FILE,
+    SCALE_SERVICES,
     SERVICES,
     read_env_file,
 )
@@ -32,8 +34,11 @@ from tests.airflow_helpers import (
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SVC = COMPOSE["services"]
 AIRFLOW_SERVICES = sorted(SERVICES)
+SCALE_INFRA = {"redis", "minio", "minio-init"}
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 ENV = read_env_file()
+SCALE_ENV = read_env_file(SCALE_ENV_FILE)
+ENV_FILES = [str(COMMON_ENV_FILE.relative_to(REPO)), "deploy/airflow-${FEATUREHOUSE_DEPLOYMENT:-single}.env"]
 
 
 def command(service: dict) -> list[str]:
@@ -69,9 +74,52 @@ def copied_to(source: str) -> str:
 
 
 def test_the_services_are_the_ones_the_scheduler_test_starts():
-    assert set(SVC) == {"postgres", "airflow-init", *SERVICES}
+    assert set(SVC) == {"postgres", "airflow-init", *SERVICES, *SCALE_SERVICES, *SCALE_INFRA}
     for name in AIRFLOW_SERVICES:
         assert command(SVC[name]) == SERVICES[name], name
+    # the single-machine deployment is the default: only the scale profile adds the rest
+    assert {n for n, s in SVC.items() if "profiles" in s} == {*SCALE_SERVICES, *SCALE_INFRA}
+    assert all(SVC[n]["profiles"] == ["scale"] for n in (*SCALE_SERVICES, *SCALE_INFRA))
+
+
+def test_the_scale_profile_is_the_one_the_celery_test_starts():
+    """The Celery test reads deploy/airflow-scale.env after deploy/airflow.env, replacing only
+    places: here the places must be the profile's services."""
+    for name in SCALE_SERVICES:
+        assert command(SVC[name]) == SCALE_SERVICES[name], name
+        assert SVC[name]["env_file"] == ENV_FILES and SVC[name]["image"] == SVC["scheduler"]["image"]
+    assert SCALE_ENV["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert int(SCALE_ENV["AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT"]) >= 86400
+    assert set(SCALE_ENV) - LOCATION_KEYS <= {"AIRFLOW__CORE__EXECUTOR", "AIRFLOW__CELERY__WORKER_CONCURRENCY",
+                                              "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT",
+                                              "AWS_REGION"}
+    assert not {k for k in SCALE_ENV if "SECRET" in k or "PASSWORD" in k or k == "AWS_ACCESS_KEY_ID"}
+    broker = urlsplit(SCALE_ENV["AIRFLOW__CELERY__BROKER_URL"])
+    assert broker.scheme == "redis" and broker.hostname == "redis" and broker.port == 6379
+    backend = urlsplit(SCALE_ENV["AIRFLOW__CELERY__RESULT_BACKEND"].removeprefix("db+"))
+    db = urlsplit(ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
+    assert (backend.hostname, backend.username, backend.password, backend.path) == (
+        db.hostname, db.username, db.password, db.path)
+    s3 = urlsplit(SCALE_ENV["FEATUREHOUSE_S3_ENDPOINT"])
+    assert s3.hostname == "minio" and s3.port == 9000
+    bucket = urlsplit(SCALE_ENV["FEATUREHOUSE_DATA_PATH"]).hostname
+    assert urlsplit(SCALE_ENV["FEATUREHOUSE_LANDING"]).hostname == bucket
+    assert SCALE_ENV["FEATUREHOUSE_DATA_PATH"].startswith("s3://")
+    assert f"minio/{bucket}" in " ".join(command(SVC["minio-init"]))  # made at start
+    assert SVC["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    # MinIO's root credentials are the ones every Airflow service uses
+    for name in ("minio", "minio-init"):
+        env = SVC[name]["environment"]
+        assert env["MINIO_ROOT_USER"] == SVC["scheduler"]["environment"]["AWS_ACCESS_KEY_ID"]
+        assert env["MINIO_ROOT_PASSWORD"] == SVC["scheduler"]["environment"]["AWS_SECRET_ACCESS_KEY"]
+    # Airflow's services wait for the profile's services when it is active, and only then
+    deps = SVC["scheduler"]["depends_on"]
+    assert deps["redis"] == {"condition": "service_healthy", "required": False}
+    assert deps["minio-init"] == {"condition": "service_completed_successfully", "required": False}
+    for f in ("airflow-single.env", "airflow-scale.env"):
+        assert (REPO / "deploy" / f).exists()
+    test = (REPO / "tests" / "test_airflow_celery.py").read_text()
+    assert "scale=True" in test and 'SCALE_SERVICES["airflow-worker"]' in test
 
 
 def test_init_runs_the_script_the_tests_run():
@@ -88,7 +136,7 @@ def test_init_runs_the_script_the_tests_run():
 @pytest.mark.parametrize("name", ["airflow-init", *AIRFLOW_SERVICES])
 def test_every_airflow_service_reads_the_shared_settings_and_only_adds_secrets(name):
     s = SVC[name]
-    assert s["env_file"] == [str(COMMON_ENV_FILE.relative_to(REPO))]
+    assert s["env_file"] == ENV_FILES
     # what compose adds is what the tests add too (secrets and keys from the environment)
     assert set(s["environment"]) <= EXTRA_KEYS, set(s["environment"]) - EXTRA_KEYS
     assert s["environment"]["NEURONPEDIA_API_KEY"].startswith("${NEURONPEDIA_API_KEY")
@@ -102,7 +150,7 @@ def test_the_shared_settings_run_the_local_executor_the_tests_run():
     assert ENV["AIRFLOW__CORE__LOAD_EXAMPLES"] == "False"
     assert ENV["AIRFLOW__CORE__AUTH_MANAGER"].endswith("SimpleAuthManager")
     assert ENV["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"].split(",")[0].split(":")[:2] == ["admin", "admin"]
-    assert LOCATION_KEYS <= set(ENV), LOCATION_KEYS - set(ENV)
+    assert LOCATION_KEYS <= set(ENV) | set(SCALE_ENV), LOCATION_KEYS - set(ENV) - set(SCALE_ENV)
 
 
 def test_places_agree_with_the_services_and_the_image():
@@ -158,7 +206,11 @@ def test_make_up_and_down_drive_compose():
     up = re.search(r"^up: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
     down = re.search(r"^down: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
     assert up and "docker compose up -d" in up.group(1)
-    assert down and "docker compose down" in down.group(1)
+    assert down and re.search(r"docker compose (--profile scale )?down", down.group(1))
+    up_scale = re.search(r"^up-scale: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
+    assert up_scale and "FEATUREHOUSE_DEPLOYMENT=scale" in up_scale.group(1)
+    assert "docker compose --profile scale up -d" in up_scale.group(1) and "--scale airflow-worker=" in up_scale.group(1)
+    assert "AWS_SECRET_ACCESS_KEY=" in up_scale.group(1)
     # the secrets compose insists on are the ones `make up` writes
     for var in ("AIRFLOW_JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_UID"):
         assert f"{var}=" in up.group(1)

@@ -19,7 +19,7 @@ from tests.airflow_helpers import REPO, airflow_env
 
 DAGS = REPO / "dags"
 #: Tasks that load or rewrite the warehouse: in the pool that bounds how many run at once (memory).
-WRITERS = {"featurehouse_nightly": {"ingest", "materialise", "maintain"}, "featurehouse_inbox": {"drain"}}
+WRITERS = {"featurehouse_nightly": {"ingest", "finish", "materialise", "maintain"}, "featurehouse_inbox": {"drain"}}
 
 _PROBE = r"""
 import json, sys
@@ -99,10 +99,14 @@ def test_writing_tasks_use_the_writer_pool_and_nothing_else_does(bag, dag_id):
 def test_nightly_shape(bag):
     dag = bag["dags"]["featurehouse_nightly"]
     t = dag["tasks"]
-    assert dag["sorted"] == ["plan", "fetch", "ingest", "materialise", "report", "maintain", "all_fetched"]
+    assert dag["sorted"] == ["plan", "fetch", "units", "ingest", "finish", "materialise", "report", "maintain",
+                             "all_fetched"]
     assert t["fetch"]["pool"] == "neuronpedia_api" and t["fetch"]["mapped"] and not t["plan"]["mapped"]
-    assert t["fetch"]["upstream"] == ["plan"] and t["ingest"]["upstream"] == ["fetch"]
-    assert t["materialise"]["upstream"] == ["ingest"] and t["report"]["upstream"] == ["materialise"]
+    # the ingest is mapped over the units of what landed: parts of one run, loading at once
+    assert t["fetch"]["upstream"] == ["plan"] and t["units"]["upstream"] == ["fetch", "plan"]
+    assert t["ingest"]["upstream"] == ["units"] and t["ingest"]["mapped"]
+    assert t["finish"]["upstream"] == ["ingest"] and t["materialise"]["upstream"] == ["finish"]
+    assert t["report"]["upstream"] == ["materialise"]
     assert t["maintain"]["upstream"] == ["report"]
     # the last task waits for every fetch chunk: a failed chunk fails the run, after the report
     assert t["all_fetched"]["upstream"] == ["fetch", "maintain"] and t["all_fetched"]["pool"] == "default_pool"

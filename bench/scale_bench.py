@@ -1,0 +1,182 @@
+"""Benchmark: ingest throughput with 1 and 2 workers on one lakehouse (PostgreSQL catalog, data
+files and landing area on S3 — moto's server on loopback), as the nightly DAG's mapped ingests
+run: the window's units (50 pages each, or one export batch file each) taken from a queue by W
+worker processes, each unit an ``ingest_unit`` part of one run, then ``finish_fetched`` and one
+``materialise``.
+
+    python bench/scale_bench.py --n 400 --workers 1 --workers 2      # pages/s
+    python bench/scale_bench.py --n 400 --exports                     # and export MB/s
+
+Prints a table and writes bench/out/scale.json, with each run's commit figures (commits,
+retries, lock wait, time inside commits) from its ``runs`` row. Not a test: nothing is asserted.
+The machine's load average is recorded: on a shared machine the figures move with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+OUT = ROOT / "bench" / "out"
+MODEL, SOURCE = "gpt-oss-20b", "11-resid-post-aa"
+CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", "AWS_REGION": "us-east-1"}
+
+
+def _worker(queue, settings_kw: dict, run_id: str, env: dict) -> None:
+    os.environ.update(env)
+    from pipeline.config import Settings
+    from pipeline.fetch import ingest_unit
+
+    settings = Settings.from_env(**settings_kw)
+    while True:
+        unit = queue.get()
+        if unit is None:
+            return
+        ingest_unit(unit, settings, run_id=run_id, progress=False)
+
+
+def _land(settings, window: str, inputs: list[tuple[str, bytes, str]]) -> float:
+    """Land (origin, bytes, kind) into the S3 landing area and write the window's manifest, as a
+    fetch would; returns seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pipeline.fetch import _Manifest, manifest_path
+    from pipeline.land import land
+    from pipeline.receive import Input
+
+    manifest = _Manifest(manifest_path(window, settings))
+    started = time.monotonic()
+
+    def one(item):
+        key, data, kind = item
+        landed = land(Input(origin=key, data=data), settings.landing_root, settings.max_input_bytes)
+        manifest.append({"key": key, "url": f"https://bench/{key}", "kind": kind, "model": MODEL, "source": SOURCE,
+                         "status": "landed", "sha256": landed.sha256, "landed_path": str(landed.path),
+                         "n_bytes": landed.n_bytes, "attempts": 1, "fetched_at": "2026-11-30T00:00:00"})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, inputs))
+    manifest.close()
+    return time.monotonic() - started
+
+
+def _run(settings, units: list[dict], workers: int, run_id: str, env: dict) -> dict:
+    from pipeline.fetch import finish_fetched
+    from pipeline.materialise import refresh_run
+    from tests.conftest import query
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    for u in units:
+        queue.put(u)
+    for _ in range(workers):
+        queue.put(None)
+    kw = {"warehouse": str(settings.warehouse), "catalog": settings.catalog, "data_path": settings.data_path,
+          "landing": settings.landing}
+    started = time.monotonic()
+    procs = [ctx.Process(target=_worker, args=(queue, kw, run_id, env)) for _ in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0, f"a worker exited {p.exitcode}"
+    loads = time.monotonic() - started
+    finish_fetched(units[0]["window"], settings, run_id=run_id)
+    refresh_run(settings, run_id)
+    total = time.monotonic() - started
+    row = query(settings, "SELECT n_loaded, n_activations, commits, commit_retries, lock_wait_seconds, commit_seconds "
+                          "FROM runs WHERE run_id = ?", [run_id])[0]
+    return {"workers": workers, "units": len(units), "load_seconds": round(loads, 2),
+            "with_finish_and_materialise_seconds": round(total, 2),
+            **dict(zip(("n_loaded", "n_activations", "commits", "commit_retries", "lock_wait_seconds",
+                        "commit_seconds"), row))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=400, help="synthetic pages (~270 KB each)")
+    ap.add_argument("--unit", type=int, default=50, help="pages per ingest unit (a fetch chunk)")
+    ap.add_argument("--workers", type=int, action="append", help="worker counts to try (default 1 and 2)")
+    ap.add_argument("--exports", action="store_true", help="also export batches (gzip JSONL), MB/s")
+    ap.add_argument("--batch-features", type=int, help="features per export batch file (default n/8)")
+    ap.add_argument("--no-pages", action="store_true", help="export batches only")
+    args = ap.parse_args()
+    counts = args.workers or [1, 2]
+
+    import boto3
+    import orjson
+    import psycopg
+
+    from bench.generate import synthetic_pages
+    from pipeline.config import Settings
+    from pipeline.plan import ingest_units
+    from tests.airflow_helpers import free_port, postgres_cluster, start, stop, wait_for_port
+    from tests.fake_neuronpedia import build_bucket
+
+    tmp = Path(tempfile.mkdtemp(prefix="scale-bench-"))
+    port = free_port()
+    moto = start([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                 dict(os.environ), tmp / "moto.log")
+    endpoint = f"http://127.0.0.1:{port}"
+    env = CREDS | {"FEATUREHOUSE_S3_ENDPOINT": endpoint}
+    os.environ.update(env)
+    results: dict = {"n_pages": args.n, "unit": args.unit, "load_average": os.getloadavg(), "runs": []}
+    try:
+        wait_for_port(port, 60, moto, "moto_server")
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=CREDS["AWS_ACCESS_KEY_ID"],
+                     aws_secret_access_key=CREDS["AWS_SECRET_ACCESS_KEY"]).create_bucket(Bucket="bench")
+        pages = list(synthetic_pages(args.n, valid=True))
+        bodies = [(f"{MODEL}/{SOURCE}/{p['index']}", orjson.dumps(p), "feature") for p in pages]
+        mb = sum(len(b) for _, b, _ in bodies) / 1e6
+        with postgres_cluster() as pg:
+            dsn = pg.catalog.split(":", 1)[1]
+            landing = "s3://bench/landing"
+            base = Settings.from_env(warehouse=tmp / "wh", landing=landing)
+            results["land_pages_seconds"] = round(_land(base, "pages", bodies), 2)
+            chunks = [{"window": "pages", "model": MODEL, "source": SOURCE, "via": "api", "start": a,
+                       "stop": min(a + args.unit, args.n)} for a in range(0, args.n, args.unit)]
+            exports = []
+            if args.exports:
+                objects = build_bucket(pages, batch_features=args.batch_features or max(1, args.n // 8))
+                exports = [(k, v, "export") for k, v in objects.items()]
+                results["export_mb"] = round(sum(len(v) for k, v in objects.items() if k.endswith(".gz")) / 1e6, 1)
+                results["land_exports_seconds"] = round(_land(base, "exports", exports), 2)
+            for w in counts:
+                for what in (*(() if args.no_pages else ("pages",)), *(("exports",) if exports else ())):
+                    db = f"bench_{what}_{w}"
+                    with psycopg.connect(dsn, autocommit=True) as c:
+                        c.execute(f"CREATE DATABASE {db}")
+                    s = Settings.from_env(warehouse=tmp / db, catalog=pg.catalog.replace("dbname=featurehouse",
+                                                                                        f"dbname={db}"),
+                                          data_path=f"s3://bench/{db}/", landing=landing)
+                    units = ingest_units(chunks if what == "pages" else
+                                         [{"window": "exports", "model": MODEL, "source": SOURCE, "via": "exports"}], s)
+                    r = _run(s, units, w, f"bench-{what}-{w}", env)
+                    r["what"] = what
+                    if what == "pages":
+                        r["pages_per_second"] = round(args.n / r["load_seconds"], 1)
+                        r["input_mb_per_second"] = round(mb / r["load_seconds"], 1)
+                    else:
+                        r["export_mb_per_second"] = round(results["export_mb"] / r["load_seconds"], 2)
+                    results["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        stop(moto, grace=5)
+    results["load_average_after"] = os.getloadavg()
+    OUT.mkdir(parents=True, exist_ok=True)
+    name = "scale-exports.json" if args.no_pages else "scale.json"
+    (OUT / name).write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""S3 storage (moto's server on loopback): the data path and the landing area as ``s3://``.
+
+* landing on S3 is content-addressed and happens once: a conditional put, a multipart upload
+  for a large input (never visible half-written), racing landers make one object;
+* a fetch into an S3 landing area and its ingest into S3 data files give the same tables as
+  the same fetch on disk (feature pages through the API, and export batches that DuckDB streams
+  from S3);
+* the units of a window ingested at once, as the nightly DAG's mapped ingests do, give the same
+  tables and statistics as one ingest, and the run's counters add up.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pipeline import s3
+from pipeline.config import Settings
+from pipeline.fetch import (
+    fetch_exports,
+    fetch_features,
+    finish_fetched,
+    ingest_fetched,
+    ingest_unit,
+)
+from pipeline.ingest import PART_BATCHES
+from pipeline.land import land, read_landed
+from pipeline.materialise import refresh_run
+from pipeline.plan import ingest_units
+from pipeline.receive import Input
+from tests.conftest import query, table_rows
+from tests.fake_neuronpedia import FakeNeuronpedia
+from tests.fetch_support import FAST, MODEL, SOURCE, pages, scalar
+from tests.s3_support import moto_s3
+
+TABLES = ("features", "activations", "explanations", "models", "sources", "source_sets",
+          "feature_activation_stats", "source_activation_stats")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with moto_s3() as srv:
+        yield srv
+
+
+@pytest.fixture
+def env(server, monkeypatch):
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return server
+
+
+def on_s3(tmp_path: Path, server, bucket: str | None = None) -> Settings:
+    bucket = bucket or server.bucket()
+    return Settings.from_env(warehouse=tmp_path / "wh-s3", data_path=f"s3://{bucket}/lake/data/",
+                             landing=f"s3://{bucket}/lake/landing")
+
+
+def test_landing_on_s3_is_content_addressed_and_once(env, tmp_path, monkeypatch):
+    bucket = env.bucket()
+    landing = f"s3://{bucket}/landing"
+    first = land(Input(origin="a", data=b'{"x": 1}'), landing, max_bytes=10**6)
+    assert first.new and first.path == f"{landing}/sha256/{first.sha256[:2]}/{first.sha256}"
+    again = land(Input(origin="b", data=b'{"x": 1}'), landing, max_bytes=10**6)
+    assert not again.new and again.path == first.path
+    assert read_landed(first.path) == b'{"x": 1}'
+
+    # racing landers of the same bytes: one object, made once
+    with ThreadPoolExecutor(8) as pool:
+        news = list(pool.map(lambda i: land(Input(origin=str(i), data=b"same"), landing, 10**6).new, range(8)))
+    assert sum(news) == 1
+
+    # over the parse limit: streamed through a local spool file and a multipart upload
+    monkeypatch.setattr(s3, "PART_SIZE", 5 * 1024 * 1024)
+    big = tmp_path / "big.bin"
+    big.write_bytes(bytes(range(256)) * (12 * 1024 * 1024 // 256))
+    landed = land(Input(origin=str(big), path=big), landing, max_bytes=1000)
+    assert landed.new and landed.data is None and landed.n_bytes == big.stat().st_size
+    assert read_landed(landed.path) == big.read_bytes()
+    assert not land(Input(origin="again", path=big), landing, max_bytes=1000).new
+    assert not env.client().list_multipart_uploads(Bucket=bucket).get("Uploads")  # none left open
+
+
+def test_files_ingested_from_disk_land_on_s3(env, tmp_path):
+    """`featurehouse ingest FILES` (and the inbox) with an S3 landing area: bytes land there,
+    nothing in a local landing folder."""
+    from tests.conftest import run_ingest
+
+    s = on_s3(tmp_path, env)
+    files = sorted(p for p in (Path(__file__).resolve().parent.parent / "samples").iterdir() if p.is_file())[:2]
+    summary = run_ingest(files, s)
+    assert summary.n_received == 2
+    landed = dict(query(s, "SELECT origin, landed_path FROM raw_inputs"))
+    assert {Path(o).name for o in landed} == {f.name for f in files}
+    for origin, path in landed.items():
+        assert path.startswith("s3://") and read_landed(path) == Path(origin).read_bytes()
+    assert not (s.warehouse / "landing").exists() and not Path("s3:").exists()
+
+
+def test_on_s3_one_ingest_and_units_at_once_match_one_ingest_on_disk(env, tmp_path):
+    """The same window fetched on disk and into S3: one ingest on disk; one ingest on S3; and
+    the units of the window ingested at once (threads), as the nightly DAG's mapped ingests do,
+    each its own part of one run, committing to one catalog, then one materialise. API pages
+    and export batch files (which DuckDB streams from S3) alike."""
+    chunks = [{"window": "w", "model": MODEL, "source": SOURCE, "via": "api", "start": a, "stop": a + 10}
+              for a in (0, 10, 20)] + [{"window": "w", "model": MODEL, "source": SOURCE, "via": "exports"}]
+    local = Settings.from_env(warehouse=tmp_path / "wh-local")
+    bucket = env.bucket()
+    remote = on_s3(tmp_path, env, bucket)
+    parallel = replace(remote, warehouse=tmp_path / "wh-parallel", data_path=f"s3://{bucket}/parallel/data/")
+    with FakeNeuronpedia(pages=pages(30), batch_features=8) as np:
+        for s in (local, remote):  # `parallel` shares `remote`'s landing area
+            fetch_features(MODEL, SOURCE, range(0, 30), settings=s, base_url=np.base_url, window="w", **FAST)
+            fetch_exports(MODEL, SOURCE, settings=s, exports_url=np.exports_url, window="w", **FAST)
+    for s in (local, remote):
+        summary = ingest_fetched("w", s, run_id="r", progress=False, report_after=False)
+        assert summary.n_rejected == 0 and summary.n_quarantined == 0
+
+    units = ingest_units(chunks, parallel)
+    assert [u["part"] for u in units] == list(range(len(units)))
+    assert len(units) == 3 + 1 + 3 * 4  # API chunks, the small export files, 3 tables x 4 batches
+    start = threading.Barrier(4)
+
+    def one(unit):
+        if unit["part"] < 4:
+            start.wait(timeout=60)  # the first four start together
+        return ingest_unit(unit, parallel, run_id="night").as_dict()
+
+    with ThreadPoolExecutor(4) as pool:
+        parts = list(pool.map(one, units))
+    assert finish_fetched("w", parallel, run_id="night")["status"] == "succeeded"
+    refresh_run(parallel, "night")
+
+    for table in TABLES:
+        rows = table_rows(local, table)
+        assert table_rows(remote, table) == rows, table
+        assert table_rows(parallel, table) == rows, table
+    assert scalar(remote, "SELECT count(*) FROM features") == 30
+
+    keys = env.keys(bucket)
+    for prefix in ("lake/data/main/", "parallel/data/main/"):  # Parquet on S3
+        assert any(k.startswith(prefix) and k.endswith(".parquet") for k in keys)
+    assert any(k.startswith("lake/landing/sha256/") for k in keys)
+    assert any(k.startswith("lake/landing/fetch/w/") for k in keys)  # the manifest's parts
+    for s in (remote, parallel):
+        assert not (s.warehouse / "data").exists() and not (s.warehouse / "landing").exists()
+    paths = [p for (p,) in query(parallel, "SELECT landed_path FROM raw_inputs")]
+    assert paths and all(p.startswith(f"s3://{bucket}/lake/landing/sha256/") for p in paths)
+
+    (status, n_received, n_loaded, commits) = query(
+        parallel, "SELECT status, n_received, n_loaded, commits FROM runs WHERE run_id = 'night'")[0]
+    assert status == "succeeded"
+    assert n_received == sum(p["n_received"] for p in parts) == 30 + 3 + 12  # pages, small files, batches
+    assert n_loaded == sum(p["n_loaded"] for p in parts)
+    assert commits >= len(units)
+    # every part numbers its batches apart: one run, no two parts' batches share a number
+    (n_batches, n_parts) = query(parallel, f"SELECT count(DISTINCT batch_no), count(DISTINCT batch_no // {PART_BATCHES}) "
+                                 "FROM validation_results WHERE run_id = 'night'")[0]
+    assert n_batches == n_parts >= 15
