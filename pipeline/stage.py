@@ -371,8 +371,10 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
         else:
             union = f"SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"
         conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table}_all AS {union}")
+        # row(): a record without a key (validation refuses it) is not a repeat; counted bare,
+        # its NULL would be skipped and a many-GB export batch sent through the window below.
         (repeats,) = conn.execute(
-            f"SELECT count(*) > count(DISTINCT ({keys})) FROM stage_{table}_all"
+            f"SELECT count(*) > count(DISTINCT row({keys})) FROM stage_{table}_all"
         ).fetchone()
         if not repeats:  # the usual case: a view, so the batch is not copied once more
             conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table} AS {union}")
