@@ -5,6 +5,7 @@ not grow with the size of the batch."""
 from __future__ import annotations
 
 import gzip
+import importlib
 import os
 import subprocess
 import sys
@@ -126,17 +127,100 @@ def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
     assert query(wh, "SELECT count(*), sum(len(tokens)) FROM activations") == [(45_000, 45_000 * 1024)]
 
 
-def test_an_export_duckdb_cannot_read_is_refused_with_the_python_parsers_reason(tmp_path):
+def _activation_lines(objects: dict[str, bytes], batch: int = 0) -> tuple[str, list[bytes]]:
+    key = next(k for k in objects if k.endswith(f"/activations/batch-{batch}.jsonl.gz"))
+    return key, gzip.decompress(objects[key]).splitlines()
+
+
+@pytest.fixture
+def no_python_road_for_gzip(monkeypatch):
+    """Fail the test if a gzip input is handed to the Python parser (which holds it whole)."""
+    ingest_module = importlib.import_module("pipeline.ingest")  # `pipeline.ingest` is also the function
+    parse = ingest_module.parse_bytes
+
+    def guarded(data, *a, **kw):
+        assert not data.startswith(b"\x1f\x8b"), "a gzip input took the Python road"
+        return parse(data, *a, **kw)
+
+    monkeypatch.setattr(ingest_module, "parse_bytes", guarded)
+
+
+@pytest.mark.parametrize("cut", ["in a string", "after a comma"])
+def test_a_cut_line_is_quarantined_and_the_rest_of_its_file_loads(tmp_path, cut, no_python_road_for_gzip):
+    """Cut after a comma, the line's JSON runs on into the next line, which DuckDB's read then
+    loses too: that good line must still load."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 6), n_activations=2), producer="a")
-    key = next(k for k in objects if "/activations/" in k)
-    lines = gzip.decompress(objects[key]).splitlines()
-    lines[3] = lines[3][: len(lines[3]) // 2]  # a line cut in half
+    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    key, lines = _activation_lines(objects)
+    ids = [orjson.loads(line)["id"] for lines_ in (lines, _activation_lines(objects, 1)[1]) for line in lines_]
+    whole = lines[3]
+    at = whole.index(b'","', 40) + (2 if cut == "in a string" else 3)
+    lines[3] = whole[:at]  # ends '..."tok' or '...",'
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     _write_bucket(objects, tmp_path / "in", plain=False)
-    settings = Settings(warehouse=tmp_path / "wh.duckdb")
+    settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
-    assert summary.n_rejected == 1 and summary.n_features == 6
-    [(reason,)] = query(settings.warehouse, "SELECT reason FROM raw_inputs WHERE status = 'rejected'")
-    assert "line 4" in reason and ("truncated" in reason or "not valid JSON" in reason)
+    assert (summary.n_rejected, summary.n_quarantined) == (0, 1)
+    assert summary.n_activations == len(ids) - 1 == 23
+    loaded = {i for (i,) in query(settings.warehouse, "SELECT activation_id FROM activations")}
+    assert loaded == set(ids) - {orjson.loads(whole)["id"]}
+    [(record_key, check, detail, text)] = query(
+        settings.warehouse, "SELECT record_key, check_name, detail, record_json->>'$' FROM quarantine")
+    assert (record_key, check) == ("line 4", "export_line_is_json_object")
+    assert detail.startswith("line 4 of ") and "activations__batch-0.jsonl.gz is not valid JSON (byte" in detail
+    assert text == lines[3].decode()  # the line as received
+    rows = query(settings.warehouse, "SELECT origin, status, format, n_activations FROM raw_inputs "
+                                     "WHERE origin LIKE '%activations__batch-%' ORDER BY origin")
+    assert [r[1:] for r in rows] == [("loaded", "gzip+export_jsonl", 11), ("loaded", "gzip+export_jsonl", 12)]
+
+
+def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_validated(tmp_path, no_python_road_for_gzip):
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    no_index = orjson.loads(lines[6])
+    del no_index["index"]
+    bad = {2: b"[1, 2]", 4: b'{"id": "x", "tokens": ["a\xff"]}', 6: orjson.dumps(no_index), 8: b"   ", 9: b"{}"}
+    for i, line in bad.items():
+        lines[i] = line
+    objects[key] = gzip.compress(b"\n".join(lines))  # and no newline at the end
+    _write_bucket(objects, tmp_path / "in", plain=False)
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_rejected == 0
+    lines_out = query(settings.warehouse, "SELECT record_key, detail FROM quarantine "
+                                          "WHERE check_name = 'export_line_is_json_object' ORDER BY detail")
+    assert [k for k, _ in lines_out] == ["line 3", "line 5"]
+    assert lines_out[0][1].endswith("is an array, not a JSON object")
+    assert "is not valid UTF-8 (byte 0xff" in lines_out[1][1]
+    # Objects that are JSON go through validation as before: refused by their expectations.
+    checks = dict(query(settings.warehouse, "SELECT record_key, list(check_name) FROM quarantine "
+                                            "WHERE check_name <> 'export_line_is_json_object' GROUP BY 1"))
+    assert "activation_feature_key_present" in checks[no_index["id"]]
+    assert any("activation_id_present" in c for c in checks.values())  # the {} line
+    assert summary.n_activations == 12 - 5  # 12 lines: 2 bad, 1 blank, 2 refused by validation
+
+
+def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkeypatch):
+    from pipeline import stage
+    from pipeline.config import Settings
+
+    monkeypatch.setattr(stage, "MAX_BAD_LINES", 5)
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    # A good first line (so it looks like an export batch), then something else altogether.
+    garbage = bytes(range(256)) * 40
+    objects[key] = gzip.compress(lines[0] + b"\n" + garbage)
+    objects["v1/gpt-oss-20b/11-resid-post-aa/activations/batch-9.jsonl.gz"] = gzip.compress(garbage)
+    _write_bucket(objects, tmp_path / "in", plain=False)
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_rejected == 2 and summary.n_activations == 0
+    reasons = dict(query(settings.warehouse, "SELECT regexp_extract(origin, 'batch-[0-9]'), reason "
+                                             "FROM raw_inputs WHERE status = 'rejected'"))
+    assert reasons["batch-0"].startswith("more than 5 of its lines are not JSON objects (the first: line 2 ")
+    assert "refused whole" in reasons["batch-0"]
+    assert "not valid UTF-8" in reasons["batch-9"]  # no export row at all: the Python parser's reason
+    assert query(settings.warehouse, "SELECT count(*) FROM quarantine") == [(0,)]
