@@ -319,8 +319,9 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
             return (f"more than {MAX_BAD_LINES:,} of its lines are not JSON objects (the first: line "
                     f"{first.line_no} {first.problem}); refused whole: it is not a readable export batch")
         if n_rows != n_lines or stray:  # never seen; refuse rather than load a part blindly
-            return (f"DuckDB read {n_rows:,} rows from its {n_lines:,} lines and its {len(bad):,} bad "
-                    "line(s) are not where DuckDB found trouble: refused whole rather than loaded in part")
+            return (f"DuckDB's reading of it does not line up with its lines ({n_rows:,} rows from "
+                    f"{n_lines:,} non-blank lines, {len(bad):,} of them not JSON objects): refused whole "
+                    "rather than loaded in part")
         if not bad:
             return None  # its rows without a scalar are objects without one: they are validated
         conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ? AND {no_scalar}", [sha])

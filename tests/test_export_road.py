@@ -224,3 +224,26 @@ def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkey
     assert "refused whole" in reasons["batch-0"]
     assert "not valid UTF-8" in reasons["batch-9"]  # no export row at all: the Python parser's reason
     assert query(settings.warehouse, "SELECT count(*) FROM quarantine") == [(0,)]
+
+
+
+def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loaded_in_part(tmp_path, monkeypatch):
+    """Never seen (DuckDB keeps a file's rows in the order of its lines), but if the rows DuckDB
+    could not read were not where the bad lines are, a good row could be lost: refused whole."""
+    import duckdb
+
+    from pipeline import stage
+
+    scan = stage._scan_lines
+    monkeypatch.setattr(stage, "_scan_lines",
+                        lambda conn, src, trouble, again: scan(conn, src, {p + 2 for p in trouble}, again))
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    _, lines = _activation_lines(objects)
+    lines[3] = lines[3][:40]
+    path = tmp_path / "batch-0.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    conn = duckdb.connect()
+    read = stage.read_exports(conn, {"activations": [("sha", path, len(lines))]})
+    assert read.read == set() and not read.bad_lines
+    assert read.refused["sha"].startswith("DuckDB's reading of it does not line up with its lines")
+    assert conn.execute("SELECT count(*) FROM fast_export_activations").fetchone() == (0,)
