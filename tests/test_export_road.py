@@ -247,3 +247,72 @@ def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loade
     assert read.read == set() and not read.bad_lines
     assert read.refused["sha"].startswith("DuckDB's reading of it does not line up with its lines")
     assert conn.execute("SELECT count(*) FROM fast_export_activations").fetchone() == (0,)
+
+def _big_export_with_a_cut_line(path: Path, n_rows: int, cut: int) -> int:
+    """An activations batch of ``n_rows`` realistic 1,024-token excerpts, streamed to gzip
+    (level 1: fast) from a few rows serialised once that differ only in id and index; line
+    ``cut + 1`` is cut in the middle after a comma, so its JSON runs on into the next line.
+    Returns the number of bytes it expands to."""
+    template = small_pages([7], n_activations=1, n_tokens=24)[0]["activations"][0]
+    tokens = [f" tok{i % 97}" for i in range(1024)]
+    shapes = []
+    for v in range(13):
+        values = [0.0] * 1024
+        values[v * 79] = 5.0 + v
+        row = dict(template, id="@ID@", index="@INDEX@", tokens=tokens, values=values, maxValue=5.0 + v,
+                   maxValueTokenIndex=v * 79, minValue=0.0)
+        head, rest = orjson.dumps(row).split(b"@ID@")
+        shapes.append((head, *rest.split(b"@INDEX@")))
+    written = 0
+    with path.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as out:
+        lines = []
+        for i in range(n_rows):
+            head, middle, tail = shapes[i % 13]
+            line = b"%sbig%08d%s%d%s\n" % (head, i, middle, i // 100, tail)
+            if i == cut:
+                line = line[: line.index(b",", len(line) // 2) + 1] + b"\n"
+            lines.append(line)
+            written += len(line)
+            if len(lines) == 256:
+                out.write(b"".join(lines))
+                lines.clear()
+        out.write(b"".join(lines))
+    return written
+
+
+@pytest.mark.slow
+def test_a_cut_line_in_a_many_gb_batch_is_quarantined_within_2_gb(tmp_path):
+    """The batch the Python road would hold whole (it took 9.7 GB for a fifth of this) loads on
+    DuckDB's streaming road with its one cut line quarantined, the good line the cut ran into
+    loaded, and the process's peak RSS under 2 GB (DuckDB capped at 768 MB, so that Python,
+    Great Expectations and DuckDB's own allocations fit beside it)."""
+    n_rows, cut = 160_000, 80_000
+    src = tmp_path / "in" / "activations__batch-0.jsonl.gz"
+    src.parent.mkdir()
+    expanded = _big_export_with_a_cut_line(src, n_rows, cut)
+    assert expanded > 2 * 2**30
+    wh = tmp_path / "wh"
+    script = (
+        "import sys\n"
+        "from pipeline import ingest, Settings\n"
+        "s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False, report_after=False)\n"
+        "print(s.status, s.n_activations, s.n_rejected, s.n_quarantined)\n"
+    )
+    env = dict(os.environ, FEATUREHOUSE_MAX_DECOMPRESSED_BYTES=str(4 * 2**30), FEATUREHOUSE_DUCKDB_MEMORY="768MB")
+    with (tmp_path / "out.txt").open("w+") as out, (tmp_path / "err.txt").open("w+") as err:
+        child = subprocess.Popen([sys.executable, "-c", script, str(src.parent), str(wh)], env=env,
+                                 stdout=out, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        assert child.returncode == 0, err.read()[-4000:]
+        result = out.read().split()[-4:]
+    peak = usage.ru_maxrss * 1024  # KiB on Linux
+    assert result == ["succeeded", str(n_rows - 1), "0", "1"]
+    assert peak < 2 * 10**9, f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch"
+    assert query(wh, "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(n_rows - 1, n_rows - 1)]
+    assert query(wh, "SELECT count(*) FROM activations WHERE activation_id = ?", [f"big{cut + 1:08d}"]) == [(1,)]
+    [(record_key, check, detail)] = query(wh, "SELECT record_key, check_name, detail FROM quarantine")
+    assert (record_key, check) == (f"line {cut + 1}", "export_line_is_json_object")
+    assert f"line {cut + 1} of " in detail and "is not valid JSON" in detail
+    print(f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch")
