@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import orjson
 import pyarrow as pa
 from tqdm import tqdm
 
@@ -51,6 +52,9 @@ log = logging.getLogger("featurehouse")
 _MAX_INPUTS_PER_BATCH = 1000
 PART_BATCHES = 100_000
 """Batch numbers of one part of a run: part i numbers its batches from i * PART_BATCHES + 1."""
+
+#: The check a quarantined export line failed: it is not a JSON object (cut short, not JSON).
+BAD_LINE_CHECK = "export_line_is_json_object"
 
 
 def new_run_id(prefix: str = "run") -> str:
@@ -123,6 +127,8 @@ class _Batch:
         self.parsed: list[tuple[str, ParsedInput]] = []
         self.fast: list[Landed] = []  # single-line API JSON, left for DuckDB to read
         self.exports: dict[str, list[Landed]] = {}  # gzip export rows by table, left for DuckDB
+        self.export_lines: dict[str, int] = {}  # newlines in each export file, by digest
+        self.bad_lines: list[dict[str, Any]] = []  # export lines that are not JSON objects, to quarantine
         self.n_activations = 0
         self.n_bytes = 0
 
@@ -222,22 +228,36 @@ class _Run:
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too.
             threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
-        # DuckDB reads API-JSON pages and gzip export rows; what it cannot read cleanly takes the
-        # Python road, which parses it or refuses it with a precise reason.
+        # DuckDB reads API-JSON pages; one it cannot read cleanly takes the Python road, which
+        # parses it or refuses it with a precise reason.
         fast_ok = stage.read_api_json(conn, [(landed.sha256, self._local(landed)) for landed in batch.fast])
-        export_ok = stage.read_exports(
-            conn, {t: [(landed.sha256, landed.path) for landed in group] for t, group in batch.exports.items()}
-        )
-        duckdb_road = [(landed, "api_json", fast_ok) for landed in batch.fast] + [
-            (landed, "gzip+export_jsonl", export_ok) for group in batch.exports.values() for landed in group
-        ]
-        for landed, fmt, ok in duckdb_road:
-            if landed.sha256 in ok:
+        for landed in batch.fast:
+            if landed.sha256 in fast_ok:
                 s.n_loaded += 1
-                batch.inputs.append((landed, fmt, None))
+                batch.inputs.append((landed, "api_json", None))
             else:
                 self._parse(batch, replace(landed, data=landed.data or read_landed(landed.path)))
         self._clear_scratch()
+        # Export files never take the Python road, which would hold a whole (many-GB) file in
+        # memory: a line that is not a JSON object is quarantined and the rest of its file loads.
+        exports = stage.read_exports(
+            conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
+                   for t, group in batch.exports.items()}
+        )
+        for table, group in batch.exports.items():
+            for landed in group:
+                if landed.sha256 in exports.refused:
+                    self._reject(batch, landed, "gzip+export_jsonl", exports.refused[landed.sha256])
+                    continue
+                s.n_loaded += 1
+                batch.inputs.append((landed, "gzip+export_jsonl", None))
+                batch.bad_lines.extend(
+                    {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
+                     "record_key": f"line {bad.line_no}", "check_name": BAD_LINE_CHECK,
+                     "detail": f"line {bad.line_no} of {landed.input.origin} {bad.problem}",
+                     "record_json": orjson.dumps(bad.text).decode()}
+                    for bad in exports.bad_lines.get(landed.sha256, ())
+                )
         records: dict[str, list[tuple[str, Any]]] = {t: [] for t in stage.STAGED_TABLES}
         for sha, p in batch.parsed:
             for table in records:
@@ -299,7 +319,7 @@ class _Run:
         for table in _DATA_TABLES:
             raws = stage.raw_records(conn, table, [r for t, r in failed if t == table])
             raw_by_row.update({(table, r): v for r, v in raws.items()})
-        quarantine = []
+        quarantine = [dict(q, run_id=run_id, quarantined_at=now) for q in batch.bad_lines]
         for q in outcome.quarantine:
             sha, raw = raw_by_row[(q["table"], q["row"])]
             quarantine.append({
@@ -354,8 +374,8 @@ class _Run:
                 conn.unregister("_raw_rows")
             insert_rows(conn, "run_inputs", run_inputs)
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
-            delta |= {"n_quarantined": len(failed), "n_superseded": len(gone), "n_expectations": len(results),
-                      "n_expectations_failed": sum(not r["success"] for r in results)}
+            delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
+                      "n_expectations": len(results), "n_expectations_failed": sum(not r["success"] for r in results)}
             counts = {c: getattr(s, c) + delta.get(c, 0) for c in _COUNTERS} | s.sync_commit_stats()
             _write_counts(conn, s, counts)
             return delta, counts
@@ -399,6 +419,7 @@ class _Run:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
             batch.exports.setdefault(table, []).append(replace(landed, data=None))
+            batch.export_lines[landed.sha256] = lines
             batch.n_bytes += size
             if table == "activations":  # one row a line; a file is never split across batches
                 batch.n_activations += lines

@@ -12,14 +12,21 @@ Two roads lead into the same staging views:
   pretty-printed or odd JSON) is parsed in Python (``parse.py``) into records, moved into DuckDB
   through Arrow.
 
-A file the DuckDB road cannot read cleanly (malformed, not one object, no valid key) falls back
-to the Python road, which either parses it or refuses it with a precise reason. The golden
-tests check that both roads give identical rows for the same data.
+An API-JSON page the DuckDB road cannot read cleanly (malformed, not one object, no valid key)
+falls back to the Python road, which either parses it or refuses it with a precise reason. An
+export file never does (the Python road would hold it whole in memory): a line of it that is not
+a JSON object is found by a streaming pass and quarantined, and the rest of the file loads. The
+golden tests check that both roads give identical rows for the same data.
 """
 
 from __future__ import annotations
 
+import gzip
 import logging
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +38,7 @@ import simdjson
 from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
 
 __all__ = [
-    "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "stage_parsed", "create_views",
+    "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "stage_parsed", "create_views",
     "keep_staged", "raw_records", "drop",
 ]
 
@@ -177,14 +184,53 @@ def export_table(first: bytes) -> str | None:
     return None
 
 
-def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[str, Path]]]) -> set[str]:
+@dataclass(frozen=True)
+class BadLine:
+    """A line of an export file that is not a JSON object: quarantined, the rest of the file loads."""
+
+    line_no: int
+    """Its line number in the decompressed file, counting from 1."""
+    text: str
+    """The line as received, without its newline (at most ``_KEPT_BYTES``; bytes that are not
+    UTF-8 shown as U+FFFD)."""
+    problem: str
+    """What is wrong with it, to follow "line N of FILE": ``is not valid JSON (byte 38: ...)``."""
+
+
+@dataclass
+class ExportRead:
+    """What ``read_exports`` made of a batch's export files."""
+
+    read: set[str] = field(default_factory=set)
+    """Digests of the files read (their good rows are in ``fast_export_<table>``)."""
+    bad_lines: dict[str, list[BadLine]] = field(default_factory=dict)
+    """Digest → the file's lines that are not JSON objects, to quarantine."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Digest → why the file is refused whole (nothing of it is staged)."""
+
+
+#: A file with more bad lines than this is refused whole: it is not an export batch with a few
+#: damaged lines but something else (binary after a good first line, another format).
+MAX_BAD_LINES = 1000
+_MAX_OBJECT = 1 << 25  # read_json's maximum_object_size, and the longest line the scan holds
+_KEPT_BYTES = 1 << 16  # of a bad line, kept in quarantine
+_PENDING_LINES = 256  # doubtful lines judged by DuckDB at a time ...
+_PENDING_BYTES = 1 << 24  # ... or once they hold this much
+
+
+def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[str, Path, int]]]) -> ExportRead:
     """Read gzip bulk-export files with DuckDB, streaming, into ``fast_export_<table>``.
 
-    ``files`` maps a data table to ``(sha256, landed path)`` pairs. Returns the digests read;
-    a group DuckDB cannot read (a malformed line) is left out whole, for the Python road to
-    parse or refuse with a precise reason.
+    ``files`` maps a data table to ``(sha256, landed path, number of newlines)`` triples. Every
+    file stays on this road, however large. ``read_json(ignore_errors = true)`` gives a line
+    that is not a JSON object (cut short, not JSON, an array) a row of NULLs, in the line's
+    place; a line cut short can take the good line after it down with it the same way. Only a
+    file with such rows (or fewer rows than lines) is looked at again, as a stream: the bad
+    lines are returned in ``bad_lines`` for quarantine, and the good lines DuckDB lost are read
+    again. A file with more than ``MAX_BAD_LINES`` bad lines, or one DuckDB cannot read, is
+    refused whole.
     """
-    read: set[str] = set()
+    out = ExportRead()
     for table, columns in _EXPORT_COLUMNS.items():
         cols = ", ".join(f'"{k}" {v}' for k, v in columns.items())
         conn.execute(
@@ -193,29 +239,221 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
         group = files.get(table) or []
         if not group:
             continue
-        paths = [str(p) for _, p in group]
-        conn.register("_export_files", pa.table({"path": paths, "input_sha256": [sha for sha, _ in group]}))
+        out.refused.update(_insert_exports(conn, table, [(sha, path) for sha, path, _ in group]))
+        # A row without any scalar is the cheap sign (no list is read) of a bad line.
+        no_scalar = " AND ".join(f'"{k}" IS NULL' for k, v in columns.items() if not v.endswith("[]"))
+        counts = {sha: (n, n_empty) for sha, n, n_empty in conn.execute(
+            f"""SELECT input_sha256, count(*), count(*) FILTER (WHERE {no_scalar})
+                FROM fast_export_{table} GROUP BY 1"""
+        ).fetchall()}
+        for sha, path, n_newlines in group:
+            if sha in out.refused:
+                continue
+            n_rows, n_empty = counts.get(sha, (0, 0))
+            if n_empty or n_rows < n_newlines:
+                refused = _set_bad_lines_aside(conn, table, no_scalar, sha, path, out)
+                if refused:
+                    conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ?", [sha])
+                    out.refused[sha] = refused
+                    continue
+            out.read.add(sha)
+    return out
+
+
+def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]]) -> dict[str, str]:
+    """Append the rows of ``group``'s files to ``fast_export_<table>``, each file's in the order
+    of its lines; returns the files that could not be read at all (with DuckDB's reason)."""
+    paths = [str(p) for _, p in group]
+    try:
+        # Streams: no window, sort or join over the rows (a row's id is the temp table's rowid),
+        # so a batch larger than DuckDB's memory cap spills instead of failing, and the rows
+        # keep the order of the lines (read_json and INSERT preserve insertion order).
+        conn.execute(
+            f"""INSERT INTO fast_export_{table} BY NAME
+                SELECT $shas[list_position($files, j.filename)] AS input_sha256, j.* EXCLUDE (filename)
+                FROM read_json($files, columns = $columns, format = 'newline_delimited',
+                               compression = 'gzip', filename = true, ignore_errors = true,
+                               maximum_object_size = {_MAX_OBJECT}) AS j""",
+            {"files": paths, "shas": [sha for sha, _ in group], "columns": _EXPORT_COLUMNS[table]},
+        )
+    except duckdb.InvalidInputException as exc:
+        # Something in a file (not memory or the disk, which fail the run to be tried again):
+        # the statement left nothing behind, so find the file(s) it was about.
+        if len(group) == 1:
+            log.info("DuckDB could not read export file %s: %s", paths[0], exc)
+            return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}"}
+        refused: dict[str, str] = {}
+        for one in group:
+            refused.update(_insert_exports(conn, table, [one]))
+        return refused
+    return {}
+
+
+def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar: str, sha: str, path: Path,
+                         out: ExportRead) -> str | None:
+    """Put one file's lines that are not JSON objects in ``out.bad_lines`` and replace the rows
+    DuckDB made of the lines around them. Returns why the file is refused whole instead, or None.
+
+    The rows without a scalar are where the trouble is: their positions among the file's rows
+    are those of the lines DuckDB could not read (the rows keep the lines' order). The file is
+    streamed once: the lines at those positions that are objects are copied, to be read again,
+    and every line is checked, so that a bad line elsewhere (the positions did not line up)
+    refuses the file rather than losing a row.
+    """
+    n_rows, empty = conn.execute(
+        f"""SELECT count(*), list(pos ORDER BY pos) FILTER (WHERE empty) FROM (
+                SELECT row_number() OVER (ORDER BY rowid) AS pos, ({no_scalar}) AS empty
+                FROM fast_export_{table} WHERE input_sha256 = ?)""",
+        [sha],
+    ).fetchone()
+    (tmp_dir,) = conn.execute("SELECT current_setting('temp_directory')").fetchone()
+    if tmp_dir:
+        Path(tmp_dir).mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix="export-lines-", suffix=".jsonl.gz", dir=tmp_dir or None)
+    os.close(fd)
+    again = Path(name)
+    try:
+        n_lines, bad, n_again, stray = _scan_lines(conn, path, set(empty or ()), again)
+        if len(bad) > MAX_BAD_LINES:
+            first = bad[0]
+            return (f"more than {MAX_BAD_LINES:,} of its lines are not JSON objects (the first: line "
+                    f"{first.line_no} {first.problem}); refused whole: it is not a readable export batch")
+        if n_rows != n_lines or stray:  # never seen; refuse rather than load a part blindly
+            return (f"DuckDB's reading of it does not line up with its lines ({n_rows:,} rows from "
+                    f"{n_lines:,} non-blank lines, {len(bad):,} of them not JSON objects): refused whole "
+                    "rather than loaded in part")
+        if not bad:
+            return None  # its rows without a scalar are objects without one: they are validated
+        conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ? AND {no_scalar}", [sha])
+        if n_again:
+            refused = _insert_exports(conn, table, [(sha, again)])
+            if refused:
+                return refused[sha]
+        (n_now,) = conn.execute(f"SELECT count(*) FROM fast_export_{table} WHERE input_sha256 = ?", [sha]).fetchone()
+        if n_now != n_lines - len(bad):
+            return (f"DuckDB read {n_now:,} rows from its {n_lines - len(bad):,} good lines: refused whole "
+                    "rather than loaded in part")
+        out.bad_lines[sha] = bad
+        return None
+    finally:
+        again.unlink(missing_ok=True)
+
+
+def _scan_lines(conn: duckdb.DuckDBPyConnection, src: Path, trouble: set[int],
+                again: Path) -> tuple[int, list[BadLine], int, bool]:
+    """Stream gzip JSON-lines ``src`` once, one line in memory at a time.
+
+    ``trouble`` holds positions among the non-blank lines (from 1). Returns the number of
+    non-blank lines; those that are not JSON objects (up to ``MAX_BAD_LINES + 1``); how many
+    lines at a ``trouble`` position are objects, copied to gzip ``again``; and whether a bad
+    line was found at another position. simdjson passes the lines that are plainly objects; the
+    others are judged by DuckDB's own JSON parser, the one read_json uses (it also takes NaN,
+    Infinity and trailing commas).
+    """
+    parser = simdjson.Parser()
+    bad: list[BadLine] = []
+    doubtful: list[tuple[int, int, bytes]] = []  # position, line number, line
+    n_again = pos = line_no = held = 0
+    stray = False
+    with gzip.open(src, "rb") as f, gzip.open(again, "wb", compresslevel=1) as copy:
+
+        def settle() -> None:
+            nonlocal n_again, stray, held
+            judged = {b.line_no: b for b in _judge(conn, [(n, line) for _, n, line in doubtful])}
+            for p, n, line in doubtful:
+                if n in judged:
+                    bad.append(judged[n])
+                    stray = stray or p not in trouble
+                elif p in trouble:
+                    copy.write(line if line.endswith(b"\n") else line + b"\n")
+                    n_again += 1
+            doubtful.clear()
+            held = 0
+
+        while line := f.readline(_MAX_OBJECT):
+            line_no += 1
+            if len(line) == _MAX_OBJECT and not line.endswith(b"\n"):
+                # Too long to hold: DuckDB's reading of it stands (it is bad where DuckDB failed).
+                n = len(line)
+                while (rest := f.readline(_MAX_OBJECT)) and not rest.endswith(b"\n"):
+                    n += len(rest)
+                pos += 1
+                if pos in trouble:
+                    text = line[:_KEPT_BYTES].decode("utf-8", "replace") + f"… ({n + len(rest):,} bytes in all)"
+                    bad.append(BadLine(line_no, text, f"is longer than {_MAX_OBJECT >> 20} MiB and DuckDB could not read it"))
+                continue
+            if not line.strip():
+                continue  # read_json skips blank lines: they have no position
+            pos += 1
+            if pos not in trouble:
+                try:
+                    doc = parser.parse(line)
+                    is_object = isinstance(doc, simdjson.Object)
+                    del doc  # the parser is reused only once nothing refers to its last document
+                except ValueError:
+                    is_object = False
+                if is_object:
+                    continue
+            doubtful.append((pos, line_no, line))
+            held += len(line)
+            if len(doubtful) >= _PENDING_LINES or held >= _PENDING_BYTES:
+                settle()
+                if len(bad) > MAX_BAD_LINES:
+                    break
+        settle()
+    bad.sort(key=lambda b: b.line_no)
+    return pos, bad[: MAX_BAD_LINES + 1], n_again, stray
+
+
+_JSON_TYPES = {"ARRAY": "an array", "VARCHAR": "a string", "BIGINT": "a number", "UBIGINT": "a number",
+               "DOUBLE": "a number", "BOOLEAN": "a boolean", "NULL": "null"}
+
+
+def _judge(conn: duckdb.DuckDBPyConnection, lines: list[tuple[int, bytes]]) -> list[BadLine]:
+    """Of ``(line number, line)`` pairs, those DuckDB's JSON reader does not take as an object."""
+    bad: list[BadLine] = []
+    texts: list[tuple[int, str, str]] = []  # line number, text, text as kept
+    for line_no, line in lines:
+        raw = line.removesuffix(b"\n")
+        kept = raw[:_KEPT_BYTES].decode("utf-8", "replace")
+        if len(raw) > _KEPT_BYTES:
+            kept += f"… ({len(raw):,} bytes in all)"
         try:
-            # Streams: no window or sort over the rows (a row's id is the temp table's rowid),
-            # so a batch larger than DuckDB's memory cap spills instead of failing.
-            conn.execute(
-                f"""INSERT INTO fast_export_{table} BY NAME
-                    SELECT f.input_sha256, j.* EXCLUDE (filename)
-                    FROM read_json($files, columns = $columns, format = 'newline_delimited',
-                                   compression = 'gzip', filename = true,
-                                   maximum_object_size = 33554432) AS j
-                    JOIN _export_files AS f ON f.path = j.filename""",
-                {"files": paths, "columns": columns},
-            )
-        except duckdb.Error as exc:
-            log.info("DuckDB could not read %d export file(s) of %s (%s); the Python parser takes them",
-                     len(group), table, exc)
-            conn.execute(f"DELETE FROM fast_export_{table}")
-        else:
-            read.update(sha for sha, _ in group)
+            texts.append((line_no, raw.decode("utf-8"), kept))
+        except UnicodeDecodeError as exc:
+            bad.append(BadLine(line_no, kept, f"is not valid UTF-8 (byte 0x{raw[exc.start]:02x} at offset {exc.start})"))
+    if texts:
+        conn.register("_lines", pa.table({"i": pa.array(range(len(texts)), pa.int64()),
+                                          "line": pa.array([t for _, t, _ in texts], pa.string())}))
+        try:
+            kinds = conn.execute("SELECT json_type(TRY_CAST(line AS JSON)) FROM _lines ORDER BY i").fetchall()
         finally:
-            conn.unregister("_export_files")
-    return read
+            conn.unregister("_lines")
+        for (line_no, text, kept), (kind,) in zip(texts, kinds, strict=True):
+            if kind == "OBJECT":
+                continue
+            if kind is None:
+                try:
+                    conn.execute("SELECT CAST($line AS JSON)", {"line": text})
+                    problem = "is not valid JSON"
+                except duckdb.Error as exc:
+                    problem = f"is not valid JSON ({_json_message(exc)})"
+            else:
+                problem = f"is {_JSON_TYPES.get(kind, kind.lower())}, not a JSON object"
+            bad.append(BadLine(line_no, kept, problem))
+    return sorted(bad, key=lambda b: b.line_no)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _json_message(exc: BaseException) -> str:
+    """DuckDB's words for a JSON syntax error, without the echo of the input:
+    ``Malformed JSON at byte 38 of input: unexpected end of data`` → ``byte 38: unexpected end of data``."""
+    msg = _first_line(exc)
+    found = re.search(r"at byte (\d+) of input: (.*?)\.?\s*(Input:|$)", msg)
+    return f"byte {found[1]}: {found[2]}" if found else msg
 
 
 def _arrow_with_meta(table: str, items: list[tuple[str, Any]], start: int) -> pa.Table:
@@ -371,8 +609,10 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
         else:
             union = f"SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"
         conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table}_all AS {union}")
+        # row(): a record without a key (validation refuses it) is not a repeat; counted bare,
+        # its NULL would be skipped and a many-GB export batch sent through the window below.
         (repeats,) = conn.execute(
-            f"SELECT count(*) > count(DISTINCT ({keys})) FROM stage_{table}_all"
+            f"SELECT count(*) > count(DISTINCT row({keys})) FROM stage_{table}_all"
         ).fetchone()
         if not repeats:  # the usual case: a view, so the batch is not copied once more
             conn.execute(f"CREATE OR REPLACE TEMP VIEW stage_{table} AS {union}")

@@ -5,6 +5,7 @@ not grow with the size of the batch."""
 from __future__ import annotations
 
 import gzip
+import importlib
 import os
 import subprocess
 import sys
@@ -126,17 +127,192 @@ def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
     assert query(wh, "SELECT count(*), sum(len(tokens)) FROM activations") == [(45_000, 45_000 * 1024)]
 
 
-def test_an_export_duckdb_cannot_read_is_refused_with_the_python_parsers_reason(tmp_path):
+def _activation_lines(objects: dict[str, bytes], batch: int = 0) -> tuple[str, list[bytes]]:
+    key = next(k for k in objects if k.endswith(f"/activations/batch-{batch}.jsonl.gz"))
+    return key, gzip.decompress(objects[key]).splitlines()
+
+
+@pytest.fixture
+def no_python_road_for_gzip(monkeypatch):
+    """Fail the test if a gzip input is handed to the Python parser (which holds it whole)."""
+    ingest_module = importlib.import_module("pipeline.ingest")  # `pipeline.ingest` is also the function
+    parse = ingest_module.parse_bytes
+
+    def guarded(data, *a, **kw):
+        assert not data.startswith(b"\x1f\x8b"), "a gzip input took the Python road"
+        return parse(data, *a, **kw)
+
+    monkeypatch.setattr(ingest_module, "parse_bytes", guarded)
+
+
+@pytest.mark.parametrize("cut", ["in a string", "after a comma"])
+def test_a_cut_line_is_quarantined_and_the_rest_of_its_file_loads(tmp_path, cut, no_python_road_for_gzip):
+    """Cut after a comma, the line's JSON runs on into the next line, which DuckDB's read then
+    loses too: that good line must still load."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 6), n_activations=2), producer="a")
-    key = next(k for k in objects if "/activations/" in k)
-    lines = gzip.decompress(objects[key]).splitlines()
-    lines[3] = lines[3][: len(lines[3]) // 2]  # a line cut in half
+    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    key, lines = _activation_lines(objects)
+    ids = [orjson.loads(line)["id"] for lines_ in (lines, _activation_lines(objects, 1)[1]) for line in lines_]
+    whole = lines[3]
+    at = whole.index(b'","', 40) + (2 if cut == "in a string" else 3)
+    lines[3] = whole[:at]  # ends '..."tok' or '...",'
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     _write_bucket(objects, tmp_path / "in", plain=False)
-    settings = Settings(warehouse=tmp_path / "wh.duckdb")
+    settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
-    assert summary.n_rejected == 1 and summary.n_features == 6
-    [(reason,)] = query(settings.warehouse, "SELECT reason FROM raw_inputs WHERE status = 'rejected'")
-    assert "line 4" in reason and ("truncated" in reason or "not valid JSON" in reason)
+    assert (summary.n_rejected, summary.n_quarantined) == (0, 1)
+    assert summary.n_activations == len(ids) - 1 == 23
+    loaded = {i for (i,) in query(settings.warehouse, "SELECT activation_id FROM activations")}
+    assert loaded == set(ids) - {orjson.loads(whole)["id"]}
+    [(record_key, check, detail, text)] = query(
+        settings.warehouse, "SELECT record_key, check_name, detail, record_json->>'$' FROM quarantine")
+    assert (record_key, check) == ("line 4", "export_line_is_json_object")
+    assert detail.startswith("line 4 of ") and "activations__batch-0.jsonl.gz is not valid JSON (byte" in detail
+    assert text == lines[3].decode()  # the line as received
+    rows = query(settings.warehouse, "SELECT origin, status, format, n_activations FROM raw_inputs "
+                                     "WHERE origin LIKE '%activations__batch-%' ORDER BY origin")
+    assert [r[1:] for r in rows] == [("loaded", "gzip+export_jsonl", 11), ("loaded", "gzip+export_jsonl", 12)]
+
+
+def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_validated(tmp_path, no_python_road_for_gzip):
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    no_index = orjson.loads(lines[6])
+    del no_index["index"]
+    bad = {2: b"[1, 2]", 4: b'{"id": "x", "tokens": ["a\xff"]}', 6: orjson.dumps(no_index), 8: b"   ", 9: b"{}"}
+    for i, line in bad.items():
+        lines[i] = line
+    objects[key] = gzip.compress(b"\n".join(lines))  # and no newline at the end
+    _write_bucket(objects, tmp_path / "in", plain=False)
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_rejected == 0
+    lines_out = query(settings.warehouse, "SELECT record_key, detail FROM quarantine "
+                                          "WHERE check_name = 'export_line_is_json_object' ORDER BY detail")
+    assert [k for k, _ in lines_out] == ["line 3", "line 5"]
+    assert lines_out[0][1].endswith("is an array, not a JSON object")
+    assert "is not valid UTF-8 (byte 0xff" in lines_out[1][1]
+    # Objects that are JSON go through validation as before: refused by their expectations.
+    checks = dict(query(settings.warehouse, "SELECT record_key, list(check_name) FROM quarantine "
+                                            "WHERE check_name <> 'export_line_is_json_object' GROUP BY 1"))
+    assert "activation_feature_key_present" in checks[no_index["id"]]
+    assert any("activation_id_present" in c for c in checks.values())  # the {} line
+    assert summary.n_activations == 12 - 5  # 12 lines: 2 bad, 1 blank, 2 refused by validation
+
+
+def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkeypatch):
+    from pipeline import stage
+    from pipeline.config import Settings
+
+    monkeypatch.setattr(stage, "MAX_BAD_LINES", 5)
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    # A good first line (so it looks like an export batch), then something else altogether.
+    garbage = bytes(range(256)) * 40
+    objects[key] = gzip.compress(lines[0] + b"\n" + garbage)
+    objects["v1/gpt-oss-20b/11-resid-post-aa/activations/batch-9.jsonl.gz"] = gzip.compress(garbage)
+    _write_bucket(objects, tmp_path / "in", plain=False)
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_rejected == 2 and summary.n_activations == 0
+    reasons = dict(query(settings.warehouse, "SELECT regexp_extract(origin, 'batch-[0-9]'), reason "
+                                             "FROM raw_inputs WHERE status = 'rejected'"))
+    assert reasons["batch-0"].startswith("more than 5 of its lines are not JSON objects (the first: line 2 ")
+    assert "refused whole" in reasons["batch-0"]
+    assert "not valid UTF-8" in reasons["batch-9"]  # no export row at all: the Python parser's reason
+    assert query(settings.warehouse, "SELECT count(*) FROM quarantine") == [(0,)]
+
+
+
+def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loaded_in_part(tmp_path, monkeypatch):
+    """Never seen (DuckDB keeps a file's rows in the order of its lines), but if the rows DuckDB
+    could not read were not where the bad lines are, a good row could be lost: refused whole."""
+    import duckdb
+
+    from pipeline import stage
+
+    scan = stage._scan_lines
+    monkeypatch.setattr(stage, "_scan_lines",
+                        lambda conn, src, trouble, again: scan(conn, src, {p + 2 for p in trouble}, again))
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    _, lines = _activation_lines(objects)
+    lines[3] = lines[3][:40]
+    path = tmp_path / "batch-0.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
+    conn = duckdb.connect()
+    read = stage.read_exports(conn, {"activations": [("sha", path, len(lines))]})
+    assert read.read == set() and not read.bad_lines
+    assert read.refused["sha"].startswith("DuckDB's reading of it does not line up with its lines")
+    assert conn.execute("SELECT count(*) FROM fast_export_activations").fetchone() == (0,)
+
+def _big_export_with_a_cut_line(path: Path, n_rows: int, cut: int) -> int:
+    """An activations batch of ``n_rows`` realistic 1,024-token excerpts, streamed to gzip
+    (level 1: fast) from a few rows serialised once that differ only in id and index; line
+    ``cut + 1`` is cut in the middle after a comma, so its JSON runs on into the next line.
+    Returns the number of bytes it expands to."""
+    template = small_pages([7], n_activations=1, n_tokens=24)[0]["activations"][0]
+    tokens = [f" tok{i % 97}" for i in range(1024)]
+    shapes = []
+    for v in range(13):
+        values = [0.0] * 1024
+        values[v * 79] = 5.0 + v
+        row = dict(template, id="@ID@", index="@INDEX@", tokens=tokens, values=values, maxValue=5.0 + v,
+                   maxValueTokenIndex=v * 79, minValue=0.0)
+        head, rest = orjson.dumps(row).split(b"@ID@")
+        shapes.append((head, *rest.split(b"@INDEX@")))
+    written = 0
+    with path.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=1) as out:
+        lines = []
+        for i in range(n_rows):
+            head, middle, tail = shapes[i % 13]
+            line = b"%sbig%08d%s%d%s\n" % (head, i, middle, i // 100, tail)
+            if i == cut:
+                line = line[: line.index(b",", len(line) // 2) + 1] + b"\n"
+            lines.append(line)
+            written += len(line)
+            if len(lines) == 256:
+                out.write(b"".join(lines))
+                lines.clear()
+        out.write(b"".join(lines))
+    return written
+
+
+@pytest.mark.slow
+def test_a_cut_line_in_a_many_gb_batch_is_quarantined_within_2_gb(tmp_path):
+    """The batch the Python road would hold whole (it took 9.7 GB for a fifth of this) loads on
+    DuckDB's streaming road with its one cut line quarantined, the good line the cut ran into
+    loaded, and the process's peak RSS under 2 GB (DuckDB capped at 768 MB, so that Python,
+    Great Expectations and DuckDB's own allocations fit beside it)."""
+    n_rows, cut = 160_000, 80_000
+    src = tmp_path / "in" / "activations__batch-0.jsonl.gz"
+    src.parent.mkdir()
+    expanded = _big_export_with_a_cut_line(src, n_rows, cut)
+    assert expanded > 2 * 2**30
+    wh = tmp_path / "wh"
+    script = (
+        "import sys\n"
+        "from pipeline import ingest, Settings\n"
+        "s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False, report_after=False)\n"
+        "print(s.status, s.n_activations, s.n_rejected, s.n_quarantined)\n"
+    )
+    env = dict(os.environ, FEATUREHOUSE_MAX_DECOMPRESSED_BYTES=str(4 * 2**30), FEATUREHOUSE_DUCKDB_MEMORY="768MB")
+    with (tmp_path / "out.txt").open("w+") as out, (tmp_path / "err.txt").open("w+") as err:
+        child = subprocess.Popen([sys.executable, "-c", script, str(src.parent), str(wh)], env=env,
+                                 stdout=out, stderr=err)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        assert child.returncode == 0, err.read()[-4000:]
+        result = out.read().split()[-4:]
+    peak = usage.ru_maxrss * 1024  # KiB on Linux
+    assert result == ["succeeded", str(n_rows - 1), "0", "1"]
+    assert peak < 2 * 10**9, f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch"
+    assert query(wh, "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(n_rows - 1, n_rows - 1)]
+    assert query(wh, "SELECT count(*) FROM activations WHERE activation_id = ?", [f"big{cut + 1:08d}"]) == [(1,)]
+    [(record_key, check, detail)] = query(wh, "SELECT record_key, check_name, detail FROM quarantine")
+    assert (record_key, check) == (f"line {cut + 1}", "export_line_is_json_object")
+    assert f"line {cut + 1} of " in detail and "is not valid JSON" in detail
+    print(f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch")
