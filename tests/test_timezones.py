@@ -35,7 +35,7 @@ _CHILD = r"""
 import gzip, json, sys
 from pathlib import Path
 import duckdb, orjson
-from pipeline import Settings
+from pipeline import Settings, warehouse
 from pipeline.ingest import ingest
 from tests.conftest import good_page
 
@@ -66,10 +66,10 @@ out = {"session_time_zone": duckdb.connect().sql("SELECT current_setting('TimeZo
 for name, data in shapes.items():
     (root / name).mkdir()
     (root / name / "input").write_bytes(data)
-    settings = Settings(warehouse=root / name / "wh.duckdb")
+    settings = Settings(warehouse=root / name / "wh")
     s = ingest([root / name / "input"], settings, progress=False, report_after=False)
     assert s.n_loaded == 1 and s.n_rejected == 0, (name, s.rejected)
-    with duckdb.connect(str(settings.warehouse), read_only=True) as c:
+    with warehouse.connect(settings, read_only=True) as c:
         got = {}
         for table, key in [("features", "feature"), ("activations", "activation"), ("models", "model"),
                            ("sources", "source")]:
