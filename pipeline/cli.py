@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log what each stage does.")
 def cli(verbose: bool) -> None:
-    """featurehouse: Neuronpedia feature pages into a DuckDB warehouse you can query."""
+    """featurehouse: Neuronpedia feature pages into a warehouse (DuckLake) you can query with DuckDB."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
@@ -111,6 +112,21 @@ def _print_json(value) -> None:
     sys.stdout.write(orjson.dumps(value, default=str, option=orjson.OPT_INDENT_2).decode() + "\n")
 
 
+class Terminated(SystemExit):
+    "The process was sent SIGTERM."
+
+    def __str__(self) -> str:
+        return "terminated by SIGTERM"
+
+
+_TERMINATED: list[int] = []
+
+
+def _terminated(signum, frame) -> None:
+    _TERMINATED.append(signum)
+    raise Terminated(128 + signum)  # inside a DuckDB query it surfaces as "Query interrupted"
+
+
 @cli.command("ingest")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
 @warehouse_option
@@ -138,6 +154,9 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     """
     from .report import verdict
 
+    # A SIGTERM (a timeout, Airflow stopping a task, `kill`) ends the run as failed, recorded,
+    # instead of leaving it `running` until a later run finds its process gone.
+    signal.signal(signal.SIGTERM, _terminated)
     settings = Settings.from_env(warehouse=warehouse)
     try:
         summary = ingest(paths, settings, run_id=run_id, reprocess=reprocess,
@@ -146,6 +165,11 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
         raise click.UsageError(str(exc)) from exc
     except _USER_ERRORS as exc:
         raise click.ClickException(str(exc)) from None
+    except BaseException:
+        if _TERMINATED:  # ingest has recorded the run as failed
+            click.echo("featurehouse: ingest terminated by SIGTERM; the run is recorded as failed", err=True)
+            sys.exit(128 + _TERMINATED[0])
+        raise
     # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs
     judged = verdict(summary.as_dict())
     if fmt == "json":
@@ -213,7 +237,7 @@ _STATUS_COLUMNS = (
 
 @cli.command("status")
 @warehouse_option
-@click.option("-n", "--limit", default=10, show_default=True, help="How many recent runs.")
+@click.option("-n", "--limit", default=10, show_default=True, type=click.IntRange(min=1), help="How many recent runs.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="A table and the warehouse's totals, or the runs as one JSON list on stdout (every "
                    "runs column, seconds, verdict, verdict_reason).")

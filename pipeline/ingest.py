@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -55,6 +56,10 @@ PART_BATCHES = 100_000
 
 #: The check a quarantined export line failed: it is not a JSON object (cut short, not JSON).
 BAD_LINE_CHECK = "export_line_is_json_object"
+
+
+class _Unreadable(Exception):
+    "An input that cannot be read as a file."
 
 
 def new_run_id(prefix: str = "run") -> str:
@@ -237,7 +242,6 @@ class _Run:
                 batch.inputs.append((landed, "api_json", None))
             else:
                 self._parse(batch, replace(landed, data=landed.data or read_landed(landed.path)))
-        self._clear_scratch()
         # Export files never take the Python road, which would hold a whole (many-GB) file in
         # memory: a line that is not a JSON object is quarantined and the rest of its file loads.
         exports = stage.read_exports(
@@ -288,6 +292,7 @@ class _Run:
             self._load(batch, outcome, superseded, now)
         finally:
             stage.drop(conn)
+            self._clear_scratch()  # after the load: quarantined records are cut out of these copies
 
     def _record_seen(self, batch: _Batch) -> None:
         """Commit the run_inputs rows of a batch of inputs all landed before, and the run's counts."""
@@ -389,7 +394,21 @@ class _Run:
 
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
-        landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
+        try:
+            if item.data is None and not is_s3(item.path) and not stat.S_ISREG(os.stat(item.path).st_mode):
+                # a named pipe would block the run for ever; a socket or device is no page
+                raise _Unreadable("it is not a regular file (a named pipe, socket or device); nothing was read")
+            landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
+        except (OSError, _Unreadable) as exc:
+            # Nothing could be read, so nothing lands: the input is refused here, and the run goes on.
+            reason = str(exc) if isinstance(exc, _Unreadable) else f"it could not be read: {exc.strerror or exc}"
+            if isinstance(exc, FileNotFoundError) and os.path.islink(item.path):
+                reason = f"it is a symbolic link to {os.readlink(item.path)}, which does not exist"
+            log.warning("input %s refused: %s", item.origin, reason)
+            s.n_received += 1
+            s.n_rejected += 1
+            s.rejected.append({"origin": item.origin, "reason": reason})
+            return
         if landed.sha256 in self.seen_before_this_attempt:
             return  # an earlier attempt of this run already counted and recorded it
         s.n_received += 1

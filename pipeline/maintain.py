@@ -59,6 +59,13 @@ def count_files(conn: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     return int(n), int(size)
 
 
+def _inlined_rows(conn) -> int:
+    """Rows kept inline in the catalog (small inserts before migration 0003)."""
+    meta = f"__ducklake_metadata_{CATALOG}"
+    tables = [t for (t,) in conn.execute(f"SELECT table_name FROM {meta}.ducklake_inlined_data_tables").fetchall()]
+    return sum(conn.execute(f'SELECT count(*) FROM {meta}."{t}"').fetchone()[0] for t in tables)
+
+
 def maintain(settings: Settings, *, retention_days: float | None = None,
              grace: timedelta = timedelta(hours=1)) -> MaintenanceResult:
     """Expire old snapshots, compact small files and delete unreferenced ones (see the module)."""
@@ -71,8 +78,11 @@ def maintain(settings: Settings, *, retention_days: float | None = None,
 
         before, (n_files, n_bytes) = snapshots(), count_files(conn)
         now = utcnow()
-        steps = [
-            ("flush inlined data", f"CALL ducklake_flush_inlined_data('{CATALOG}')", {}),
+        # Flushing inlined rows drops the catalog tables that held them under any reader whose
+        # snapshot still reads them; since migration 0003 nothing is inlined, so only a warehouse
+        # that inlined rows before it is flushed, once.
+        steps = [("flush inlined data", f"CALL ducklake_flush_inlined_data('{CATALOG}')", {})] if _inlined_rows(conn) else []
+        steps += [
             ("expire snapshots",
              f"CALL ducklake_expire_snapshots('{CATALOG}', older_than => $t::TIMESTAMP AT TIME ZONE 'UTC')",
              {"t": now - timedelta(days=days)}),

@@ -3,6 +3,10 @@
 -- first writer that opens an older warehouse (pipeline/warehouse.py); schema_version records them.
 -- DuckLake has no primary keys or indexes: natural keys are kept unique by the loads, which
 -- replace rows by key inside one transaction under the warehouse's commit lock.
+
+-- No rows inline in the catalog: every insert writes Parquet (see 0003, which sets this for
+-- warehouses created before it).
+CALL featurehouse.set_option('data_inlining_row_limit', 0);
 -- Timestamps are TIMESTAMP in UTC.
 
 CREATE TABLE schema_version (

@@ -1,0 +1,113 @@
+"""Defects a reviewer found by using the product from outside (CLI, a second process, odd files),
+each with the test that failed before its fix."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import orjson
+
+from bench.generate import synthetic_page
+from pipeline.config import Settings
+from pipeline.warehouse import attach_sql
+from tests.conftest import query, write
+
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+
+
+def fh(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
+
+
+def test_a_named_pipe_and_a_broken_link_are_refused_and_the_run_goes_on(tmp_path):
+    """A FIFO in an input folder hung the run for ever; a broken symlink crashed it."""
+    folder = tmp_path / "in"
+    write(folder / "good.json", orjson.dumps(synthetic_page(1)))
+    os.mkfifo(folder / "pipe.json")
+    (folder / "gone.json").symlink_to(tmp_path / "nowhere.json")
+    wh = tmp_path / "wh"
+    proc = fh("ingest", str(folder), "--warehouse", str(wh), "--no-progress", "--format", "json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = orjson.loads(proc.stdout)
+    assert summary["status"] == "succeeded" and summary["n_loaded"] == 1 and summary["n_rejected"] == 2
+    reasons = sorted(r["reason"] for r in summary["rejected"])
+    assert "symbolic link" in reasons[0] and "nowhere.json, which does not exist" in reasons[0]
+    assert "not a regular file" in reasons[1]
+    assert query(wh, "SELECT count(*) FROM features") == [(1,)]
+
+
+def test_a_page_with_nan_and_a_bad_record_quarantines_the_record(tmp_path):
+    """DuckDB reads NaN, Infinity and 1e400; cutting the refused record out of such a page with
+    simdjson failed and stopped the whole run."""
+    page = synthetic_page(3, valid=False)  # keeps the seed's one bad activation
+    text = orjson.dumps(page).replace(b'"maxActApprox":', b'"maxActApprox":NaN,"_was":', 1)
+    first_value = page["activations"][0]["maxValue"]
+    text = text.replace(f'"maxValue":{orjson.dumps(first_value).decode()}'.encode(), b'"maxValue":1e400', 1)
+    settings = Settings(warehouse=tmp_path / "wh")
+    proc = fh("ingest", str(write(tmp_path / "in" / "nan.json", text)), "--warehouse", str(settings.warehouse),
+              "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    (n,) = query(settings.warehouse, "SELECT count(*) FROM quarantine WHERE record_kind = 'activation'")[0]
+    assert n >= 1
+    assert query(settings.warehouse, "SELECT status FROM runs") == [("succeeded",)]
+
+
+def test_sigterm_ends_the_run_as_failed(tmp_path):
+    """Airflow and timeouts stop a task with SIGTERM: the run is recorded failed, not left running."""
+    folder = tmp_path / "in"
+    for i in range(120):
+        write(folder / f"{i}.json", orjson.dumps(synthetic_page(i)))
+    wh = tmp_path / "wh"
+    proc = subprocess.Popen([str(FEATUREHOUSE), "ingest", str(folder), "--warehouse", str(wh), "--no-progress",
+                             "--run-id", "term"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until the run is recorded
+        if (wh / "catalog.sqlite").exists() and fh("sql", "SELECT 1 FROM runs WHERE run_id = 'term'", "--warehouse",
+                                                    str(wh), "--format", "csv").stdout.strip().endswith("1"):
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    [(status, error)] = query(wh, "SELECT status, error FROM runs WHERE run_id = 'term'")
+    assert status == "failed" and ("SIGTERM" in error or "interrupted" in error), error
+    assert "terminated by SIGTERM" in err and "Traceback" not in err
+
+
+def test_a_reader_in_a_transaction_keeps_its_snapshot_across_maintain(tmp_path):
+    """Small commits were kept inline in the catalog, and maintain's flush deleted them under a
+    reader holding a transaction (its activation count went to 0)."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    for i in range(2):
+        assert fh("ingest", str(write(tmp_path / f"in{i}" / "p.json", orjson.dumps(synthetic_page(i)))),
+                  "--warehouse", str(settings.warehouse), "--no-progress").returncode == 0
+    conn = duckdb.connect()
+    try:
+        for line in attach_sql(settings):
+            conn.execute(line)
+        conn.execute("BEGIN TRANSACTION")
+        counts = "SELECT (SELECT count(*) FROM activations), (SELECT count(*) FROM runs), (SELECT count(*) FROM quarantine)"
+        before = conn.execute(counts).fetchone()
+        assert before[0] > 0
+        proc = fh("maintain", "--warehouse", str(settings.warehouse), "--retention-days", "0", "--grace-minutes", "0")
+        assert proc.returncode == 0, proc.stderr
+        assert conn.execute(counts).fetchone() == before
+        conn.execute("COMMIT")
+        assert conn.execute(counts).fetchone() == before  # maintenance changes no row
+    finally:
+        conn.close()
+
+
+def test_status_refuses_a_negative_limit(tmp_path):
+    settings = Settings(warehouse=tmp_path / "wh")
+    assert fh("ingest", str(write(tmp_path / "in" / "p.json", orjson.dumps(synthetic_page(1)))),
+              "--warehouse", str(settings.warehouse), "--no-progress").returncode == 0
+    proc = fh("status", "-n", "-1", "--warehouse", str(settings.warehouse))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
