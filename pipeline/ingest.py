@@ -395,7 +395,7 @@ class _Run:
     def take(self, item: Input, batch: _Batch) -> None:
         s = self.summary
         try:
-            if item.data is None and not is_s3(item.path) and not stat.S_ISREG(os.stat(item.path).st_mode):
+            if item.data is None and item.path is not None and not stat.S_ISREG(os.stat(item.path).st_mode):
                 # a named pipe would block the run for ever; a socket or device is no page
                 raise _Unreadable("it is not a regular file (a named pipe, socket or device); nothing was read")
             landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
