@@ -161,3 +161,18 @@ def test_on_s3_one_ingest_and_units_at_once_match_one_ingest_on_disk(env, tmp_pa
     (n_batches, n_parts) = query(parallel, f"SELECT count(DISTINCT batch_no), count(DISTINCT batch_no // {PART_BATCHES}) "
                                  "FROM validation_results WHERE run_id = 'night'")[0]
     assert n_batches == n_parts >= 15
+
+
+def test_a_refused_record_of_a_page_landed_on_s3_is_quarantined(env, tmp_path):
+    """The record is cut out of the page's local copy after validation: the copies must live
+    until the load (they were removed before it, and the run failed on the missing file)."""
+    import orjson
+
+    from bench.generate import synthetic_page
+    from tests.conftest import run_ingest, write
+
+    s = on_s3(tmp_path, env)
+    summary = run_ingest([write(tmp_path / "in" / "p.json", orjson.dumps(synthetic_page(5, valid=False)))], s)
+    assert summary.status == "succeeded" and summary.n_activations == 39 and summary.n_quarantined == 1
+    [(record,)] = query(s, "SELECT record_json FROM quarantine")
+    assert orjson.loads(record)["id"] and not list((s.warehouse).rglob("scratch*"))
