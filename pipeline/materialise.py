@@ -73,6 +73,9 @@ def _run_features(conn: duckdb.DuckDBPyConnection, run_id: str) -> str:
     return " UNION ".join(parts)
 
 
+STATS_CHUNK_FEATURES = 500
+"""Features whose statistics are computed in one statement (bounds DuckDB's memory)."""
+
 _STATS_COLUMNS = 'model_id, source_id, feature_index, data_source, max_value, tokens, "values"'
 
 
@@ -88,17 +91,26 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     Their stats are computed from the staged rows in memory instead of reading back what the
     load just wrote; the other changed features are read from the table.
     """
+    # The features are refreshed in chunks of STATS_CHUNK_FEATURES: ranking every active token
+    # of a whole export batch (thousands of features) at once ran out of DuckDB's memory.
+    conn.execute("""CREATE OR REPLACE TEMP TABLE stats_chunks AS
+                    SELECT *, (row_number() OVER (ORDER BY model_id, source_id, feature_index) - 1)
+                              // $size AS chunk
+                    FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)""",
+                 {"size": STATS_CHUNK_FEATURES})
+    conn.execute("CREATE OR REPLACE TEMP TABLE stats_chunk AS SELECT * EXCLUDE (chunk) FROM stats_chunks LIMIT 0")
     if staged is None:
         conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
                          SELECT {_STATS_COLUMNS} FROM activations
-                         SEMI JOIN changed_features USING (model_id, source_id, feature_index)""")
+                         SEMI JOIN stats_chunk USING (model_id, source_id, feature_index)""")
     else:
         rows, keys = staged
         conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
-                         SELECT {_STATS_COLUMNS} FROM ({rows})
+                         SELECT {_STATS_COLUMNS} FROM ({rows}) AS r
+                         SEMI JOIN stats_chunk USING (model_id, source_id, feature_index)
                          UNION ALL
                          SELECT {_STATS_COLUMNS} FROM activations
-                         SEMI JOIN (SELECT * FROM changed_features EXCEPT {keys})
+                         SEMI JOIN (SELECT * FROM stats_chunk EXCEPT {keys})
                          USING (model_id, source_id, feature_index)""")
     conn.execute(
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
@@ -109,7 +121,11 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
         "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
         "AND f.feature_index = c.feature_index"
     )
-    conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})")
+    (n_chunks,) = conn.execute("SELECT coalesce(max(chunk) + 1, 0) FROM stats_chunks").fetchone()
+    for chunk in range(n_chunks):
+        conn.execute("DELETE FROM stats_chunk")
+        conn.execute("INSERT INTO stats_chunk SELECT * EXCLUDE (chunk) FROM stats_chunks WHERE chunk = ?", [chunk])
+        conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})")
     if sources:
         conn.execute(
             "DELETE FROM source_activation_stats s USING changed_sources c "
