@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -217,6 +218,8 @@ class _Run:
             ).fetchall()
         }
         self.seen_before_this_attempt = set(self.seen_this_run)
+        self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
+        self._stored: Future | None = None
 
     def flush(self, batch: _Batch) -> None:
         if not len(batch):
@@ -285,14 +288,33 @@ class _Run:
             # superseded before validation (so they are not refused as duplicates).
             superseded = claim_captures(conn)
             outcome = validate.validate_batch(conn, {t: None for t in _DATA_TABLES})
-            try:  # Great Expectations' own record of the batch, for its Data Docs; never fails a run
-                validate.store_results(self.settings.gx_dir, run_id, self.batch_no, now, outcome)
-            except Exception:
-                log.exception("could not store Great Expectations results for batch %d", self.batch_no)
+            self._store_results(self.batch_no, now, outcome)
             self._load(batch, outcome, superseded, now)
         finally:
             stage.drop(conn)
             self._clear_scratch()  # after the load: quarantined records are cut out of these copies
+
+    def _store_results(self, batch_no: int, now: datetime, outcome: validate.ValidationOutcome) -> None:
+        """Store the batch's Great Expectations results for its Data Docs, in a thread: seconds
+        of Python that overlap DuckDB's load of the batch (which releases the GIL)."""
+        self.wait_stored()
+        self._stored = self._store_pool.submit(self._store_one, batch_no, now, outcome)
+
+    def _store_one(self, batch_no: int, now: datetime, outcome: validate.ValidationOutcome) -> None:
+        try:  # Great Expectations' own record of the batch, for its Data Docs; never fails a run
+            validate.store_results(self.settings.gx_dir, self.summary.run_id, batch_no, now, outcome)
+        except Exception:
+            log.exception("could not store Great Expectations results for batch %d", batch_no)
+
+    def wait_stored(self) -> None:
+        """Wait until the last batch's results are stored (before the next, and the report)."""
+        if self._stored is not None:
+            self._stored.result()
+            self._stored = None
+
+    def close(self) -> None:
+        self.wait_stored()
+        self._store_pool.shutdown(wait=True)
 
     def _record_seen(self, batch: _Batch) -> None:
         """Commit the run_inputs rows of a batch of inputs all landed before, and the run's counts."""
@@ -533,6 +555,7 @@ def ingest(
     summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse), part=part)
     started = time.monotonic()
     conn = warehouse.connect(settings, create=True)
+    run_started: _Run | None = None
     try:
         try:  # housekeeping the next run redoes: it never stops this one
             runstate.mark_abandoned(conn, settings, by=run_id)
@@ -540,6 +563,7 @@ def ingest(
             log.exception("could not mark the abandoned runs of this host")
         _start_run(conn, settings, summary, trigger)
         run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats)
+        run_started = run
         batch = _Batch()
         show = progress if progress is not None else (total is None or total > 20)
         with tqdm(total=total, unit="input", disable=not show, desc="ingest") as bar:
@@ -552,9 +576,12 @@ def ingest(
                     batch = _Batch()
                 bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
             run.flush(batch)
+        run.close()
         summary.status = "succeeded"
     except BaseException as exc:
         summary.status = "failed"
+        if run_started is not None:
+            run_started.close()
         try:
             _finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
         except Exception:

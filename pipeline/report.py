@@ -11,12 +11,14 @@ under ``<warehouse dir>/gx/``) and links to them.
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import json
 import logging
 import math
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,17 +331,49 @@ def _theme(chart):
 _counter = itertools.count()
 
 
-def _svg(chart) -> str:
-    """Render an Altair chart to SVG, with its element ids made unique within the page."""
+def _svg_cached(chart, cache: Path | None = None) -> str:
+    """Render an Altair chart to SVG, with its element ids made unique within the page.
+
+    With ``cache`` (a folder), a chart whose Vega-Lite spec (its data included) was drawn before
+    is read back instead of drawn again: an unchanged warehouse redraws nothing but its trend.
+    """
     import vl_convert as vlc
 
-    svg = vlc.vegalite_to_svg(_theme(chart).to_dict(validate=False))  # validated as built
+    spec = _theme(chart).to_dict(validate=False)  # validated as built
+    svg = None
+    if cache is not None:
+        key = hashlib.sha256(json.dumps([vlc.__version__, spec], sort_keys=True, default=str).encode()).hexdigest()
+        hit = cache / f"{key}.svg"
+        try:
+            svg = hit.read_text(encoding="utf-8")
+            os.utime(hit)  # the cache keeps the newest used: a chart read back stays
+        except OSError:
+            pass
+    if svg is None:
+        svg = vlc.vegalite_to_svg(spec)
+        if cache is not None:
+            _cache_put(cache, hit, svg)
     prefix = f"c{next(_counter)}-"
     svg = re.sub(r'id="([^"]+)"', lambda m: f'id="{prefix}{m.group(1)}"', svg)
     svg = re.sub(r'url\(#([^)]+)\)', lambda m: f"url(#{prefix}{m.group(1)})", svg)
     svg = re.sub(r'href="#([^"]+)"', lambda m: f'href="#{prefix}{m.group(1)}"', svg)
     svg = svg.replace("<svg ", '<svg role="img" ', 1)
     return svg
+
+
+_CHART_CACHE_KEEP = 64  # drawn charts kept in <reports>/.charts/, newest first
+
+
+def _cache_put(cache: Path, path: Path, svg: str) -> None:
+    """Keep a drawn chart (best effort: a report never fails for its cache)."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, svg)
+        old = sorted(cache.glob("*.svg"), key=lambda p: p.stat().st_mtime, reverse=True)[_CHART_CACHE_KEEP:]
+        for p in old:
+            p.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("chart cache %s not written: %s", cache, exc)
 
 
 def _histogram(df, value: str, by: list[str], bins: int = 24, log: bool = False):
@@ -390,8 +424,12 @@ def _ds_scale(alt, values):
     return alt.Scale(domain=domain, range=rng)
 
 
-def _charts(ctx: dict[str, Any]) -> dict[str, Any]:
+def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
     alt = _alt()
+
+    def _svg(chart) -> str:
+        return _svg_cached(chart, cache)
+
     charts: dict[str, Any] = {}
     fs = ctx["feature_stats"]
     if len(fs):
@@ -612,7 +650,7 @@ def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
     run_id = check_run_id(run["run_id"])  # the latest run, too, may predate the check
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = _gather(conn, run)
-    ctx["charts"] = _charts(ctx)
+    ctx["charts"] = _charts(ctx, out_dir / ".charts")
     ctx["warehouse"] = str(settings.warehouse)
     ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir)
     ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -660,9 +698,14 @@ def _write_index(conn, out_dir: Path) -> Path:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    # a name of its own per writer: two processes writing one page (the index, a cached chart)
+    # at once must not write into each other's temporary file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def report_run(where: Settings | str | os.PathLike, run_id: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass, field
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -106,6 +107,9 @@ def _gx():
 
 
 _GX_LOCK = threading.Lock()
+_GX_USE = threading.RLock()
+"""Held while Great Expectations validates or stores results: ingest stores a batch's results
+in a thread (beside DuckDB's load of it), and the two never run Great Expectations at once."""
 
 
 def warm_up() -> None:
@@ -143,6 +147,13 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
     with _GX_LOCK:
         batches, suites = _gx()
     outcome = ValidationOutcome()
+    with _GX_USE:
+        _validate_tables(conn, staged, batches, suites, outcome)
+    return outcome
+
+
+def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], batches: dict, suites: dict,
+                     outcome: ValidationOutcome) -> None:
     for table in staged:
         frame = conn.sql(_CHECK_SQL[table]).df()
         n = len(frame)
@@ -196,7 +207,6 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
                         {"table": table, "row": row, "record_kind": SUITES[table],
                          "record_key": str(by_row.loc[row, "record_key"]), "check_name": check, "detail": detail}
                     )
-    return outcome
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +251,12 @@ def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated
     how ``build_data_docs`` finds a run's pages. Trims the stored per-row lists to 20 entries.
     Returns how many results were written.
     """
+    with _GX_USE:
+        return _store(project_dir, run_id, batch_no, validated_at, outcome)
+
+
+def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
+           outcome: ValidationOutcome) -> int:
     from great_expectations.core.run_identifier import RunIdentifier
     from great_expectations.data_context.types.resource_identifiers import (
         ExpectationSuiteIdentifier,
@@ -270,6 +286,11 @@ def build_data_docs(project_dir: Path | str, run_id: str) -> list[Path]:
     ``<project_dir>/gx/uncommitted/data_docs/local_site/index.html``. Returns an empty list
     when the run stored no results.
     """
+    # The results store is a folder per suite and run: when the run stored none (an unchanged
+    # re-run), there is nothing to build, and no reason to import Great Expectations (seconds).
+    stored = Path(project_dir) / "gx" / "uncommitted" / "validations"
+    if not any(d.is_dir() for d in stored.glob(f"*/{glob_escape(run_id)}")):
+        return []
     context = _file_context(str(project_dir))
     keys = [k for k in context.validation_results_store.list_keys() if k.run_id.run_name == run_id]
     if not keys:

@@ -1,0 +1,105 @@
+"""What an unchanged re-run or a small run does not redo (issue 10): no Great Expectations when
+nothing is validated, charts drawn once per content, results stored beside the load."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline import Settings, ingest
+from pipeline.report import write_report
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def _settings(tmp: Path) -> Settings:
+    return Settings.from_env(warehouse=tmp / "wh")
+
+
+_CHILD = """
+import json, sys
+from pipeline import Settings, ingest
+s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False)
+print(json.dumps({"gx": "great_expectations" in sys.modules, "loaded": s.n_loaded,
+                  "report": s.report_path, "status": s.status}))
+"""
+
+
+def _ingest_child(inputs: Path, wh: Path) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(inputs), str(wh)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_an_unchanged_rerun_does_not_import_great_expectations(tmp_path):
+    wh = tmp_path / "wh"
+    first = _ingest_child(FIXTURES, wh)
+    assert first["gx"] and first["loaded"] == 1  # it validated the seed page
+    again = _ingest_child(FIXTURES, wh)
+    assert again["status"] == "succeeded" and again["loaded"] == 0
+    assert not again["gx"], "a re-run with nothing to validate imported Great Expectations (seconds)"
+    page = Path(again["report"]).read_text()
+    assert '<div class="verdict PASS"' in page and page.count("<svg") >= 4
+
+
+def _svgs(page: str) -> list[str]:
+    # the ids are made unique per page: compare without them
+    return [re.sub(r'c\d+-', "", s) for s in re.findall(r"<svg .*?</svg>", page, flags=re.S)]
+
+
+def test_a_chart_drawn_before_is_read_back_not_drawn_again(tmp_path):
+    settings = _settings(tmp_path)
+    summary = ingest([FIXTURES], settings, progress=False)
+    cache = settings.report_dir / ".charts"
+    drawn = sorted(cache.glob("*.svg"))
+    first = _svgs(Path(summary.report_path).read_text())
+    assert len(drawn) >= 4 and len(first) >= 4
+    again = write_report(settings, summary.run_id)
+    assert sorted(cache.glob("*.svg")) == drawn  # nothing new was drawn
+    assert _svgs(again.read_text()) == first  # and what was read back is what was drawn
+    for p in drawn:  # the cache is what the report shows: mark every entry
+        p.write_text(p.read_text().replace("<svg ", '<svg data-from-cache="yes" ', 1))
+    marked = write_report(settings, summary.run_id).read_text()
+    assert marked.count('data-from-cache="yes"') == len(first)
+
+
+def test_new_data_draws_new_charts(tmp_path):
+    settings = _settings(tmp_path)
+    ingest([FIXTURES], settings, progress=False)
+    cache = settings.report_dir / ".charts"
+    before = {p.name for p in cache.glob("*.svg")}
+    from bench.generate import write_pages
+
+    write_pages(3, tmp_path / "more", start=500)
+    summary = ingest([tmp_path / "more"], settings, progress=False)
+    assert summary.n_loaded == 3
+    new = {p.name for p in cache.glob("*.svg")} - before
+    assert len(new) >= 4, "charts of changed data were read back from the cache"
+
+
+def test_an_unwritable_chart_cache_does_not_stop_the_report(tmp_path):
+    settings = _settings(tmp_path)
+    settings.report_dir.mkdir(parents=True)
+    (settings.report_dir / ".charts").write_text("not a folder")
+    summary = ingest([FIXTURES], settings, progress=False)
+    assert summary.report_path and Path(summary.report_path).read_text().count("<svg") >= 4
+
+
+def test_results_of_every_batch_are_stored_for_data_docs(tmp_path, monkeypatch):
+    """Results are stored in a thread beside the load: every batch's reach the Data Docs."""
+    monkeypatch.setenv("FEATUREHOUSE_BATCH_ACTIVATIONS", "30")  # a batch per page
+    from bench.generate import write_pages
+
+    write_pages(4, tmp_path / "pages", start=900)
+    settings = _settings(tmp_path)
+    summary = ingest([tmp_path / "pages"], settings, progress=False)
+    assert summary.n_loaded == 4
+    page = Path(summary.report_path).read_text()
+    batches = set(re.findall(r"batch-(\d{4})-activations", page))
+    assert batches == {"0001", "0002", "0003", "0004"}
+    stored = settings.gx_dir / "gx" / "uncommitted" / "validations" / "activations" / summary.run_id
+    assert len(list(stored.rglob("*.json"))) == 4
