@@ -230,7 +230,7 @@ class _Run:
             self._record_seen(batch)
             return
         self.batch_no += 1
-        conn, s, run_id, now = self.conn, self.summary, self.summary.run_id, utcnow()
+        conn, s, now = self.conn, self.summary, utcnow()
 
         if self.batch_no % PART_BATCHES == 1:
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
