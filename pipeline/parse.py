@@ -293,8 +293,15 @@ def _add_page(parsed: ParsedInput, page: Any, where: str) -> None:
 # --- bulk export JSON lines -------------------------------------------------------------
 
 
+#: Keys only a whole feature page has (an export row never does).
+_PAGE_KEYS = frozenset({"activations", "explanations", "model", "source", "sourceSet"})
+
+
 def _parse_jsonl(body: bytes) -> ParsedInput:
+    """JSON lines: bulk-export rows, or whole feature pages one per line (each a page, with its
+    activations and explanations); a file mixing the two is refused."""
     parsed = ParsedInput(InputFormat.EXPORT_JSONL)
+    first_kind: tuple[int, str] | None = None
     for n, line in enumerate(body.splitlines(), start=1):
         if not line.strip():
             continue
@@ -304,7 +311,20 @@ def _parse_jsonl(body: bytes) -> ParsedInput:
             raise _json_error(exc, f"line {n} of the JSON lines") from exc
         if not isinstance(row, dict):
             raise Rejected(f"line {n} of the JSON lines is not an object")
-        _add_export_row(parsed, row, n)
+        kind = "a whole feature page" if _PAGE_KEYS & row.keys() else "an export row"
+        if first_kind is None:
+            first_kind = (n, kind)
+            if kind == "a whole feature page":
+                parsed.format = InputFormat.API_JSON
+        elif kind != first_kind[1]:
+            raise Rejected(
+                f"line {n} of the JSON lines is {kind} but line {first_kind[0]} is {first_kind[1]}: "
+                "send feature pages and bulk-export rows in separate files"
+            )
+        if kind == "a whole feature page":
+            _add_page(parsed, row, f"line {n} of the JSON lines")
+        else:
+            _add_export_row(parsed, row, n)
     return parsed
 
 

@@ -111,3 +111,44 @@ def test_status_refuses_a_negative_limit(tmp_path):
               "--warehouse", str(settings.warehouse), "--no-progress").returncode == 0
     proc = fh("status", "-n", "-1", "--warehouse", str(settings.warehouse))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def _table_counts(wh: Path) -> dict[str, int]:
+    return {t: query(wh, f"SELECT count(*) FROM {t}")[0][0]
+            for t in ("features", "activations", "explanations", "quarantine")}
+
+
+def test_json_lines_of_whole_pages_load_every_record_of_every_page(tmp_path):
+    """A file of whole feature pages, one per line, was read as export rows: its features loaded
+    and its activations and explanations were dropped without a word."""
+    import gzip
+
+    from bench.generate import write_pages
+
+    pages = write_pages(3, tmp_path / "pages", start=40)
+    lines = b"\n".join(p.read_bytes() for p in pages) + b"\n"
+    write(tmp_path / "jl" / "three.jsonl", lines)
+    write(tmp_path / "gz" / "three.jsonl.gz", gzip.compress(lines))
+    for name in ("pages", "jl", "gz"):
+        proc = fh("ingest", str(tmp_path / name), "--warehouse", str(tmp_path / f"wh-{name}"), "--no-progress")
+        assert proc.returncode == 0, proc.stderr
+    expected = _table_counts(tmp_path / "wh-pages")
+    assert expected["activations"] > 0 and expected["explanations"] > 0 and expected["quarantine"] == 3
+    assert _table_counts(tmp_path / "wh-jl") == expected
+    assert _table_counts(tmp_path / "wh-gz") == expected
+    cols = "model_id, source_id, feature_index, activation_id, tokens, \"values\""
+    assert (query(tmp_path / "wh-jl", f"SELECT {cols} FROM activations ORDER BY activation_id")
+            == query(tmp_path / "wh-pages", f"SELECT {cols} FROM activations ORDER BY activation_id"))
+
+
+def test_json_lines_mixing_pages_and_export_rows_are_refused_with_the_reason(tmp_path):
+    page = orjson.dumps(synthetic_page(7))
+    row = orjson.dumps({"modelId": "m", "layer": "l", "index": "1", "tokens": ["a"], "values": [1.0]})
+    write(tmp_path / "in" / "mixed.jsonl", page + b"\n" + row + b"\n")
+    proc = fh("ingest", str(tmp_path / "in"), "--warehouse", str(tmp_path / "wh"), "--no-progress",
+              "--format", "json")
+    summary = orjson.loads(proc.stdout)
+    assert summary["n_loaded"] == 0 and summary["n_rejected"] == 1
+    reason = summary["rejected"][0]["reason"]
+    assert "line 2 of the JSON lines is an export row but line 1 is a whole feature page" in reason
+    assert query(tmp_path / "wh", "SELECT count(*) FROM raw_inputs WHERE status = 'rejected'") == [(1,)]
