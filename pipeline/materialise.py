@@ -76,7 +76,16 @@ def _run_features(conn: duckdb.DuckDBPyConnection, run_id: str) -> str:
 STATS_CHUNK_FEATURES = 500
 """Features whose statistics are computed in one statement (bounds DuckDB's memory)."""
 
-_STATS_COLUMNS = 'model_id, source_id, feature_index, data_source, max_value, tokens, "values"'
+_KEY = "model_id, source_id, feature_index"
+
+#: What the statistics need of one activation (an excerpt): its counts, and only its active
+#: (token, value) pairs, a few percent of its tokens. Computed in one pass over the rows.
+_EXCERPT_COLUMNS = f"""{_KEY}, data_source, max_value,
+    len(tokens) AS n_tokens,
+    len(list_filter("values", x -> x > 0)) AS n_active_tokens,
+    coalesce(list_sum(list_filter("values", x -> x > 0)), 0) AS sum_active,
+    list_transform(list_filter(list_zip(tokens, "values"), p -> p[2] > 0),
+                   p -> {{'token': p[1], 'value': p[2]}}) AS active_pairs"""
 
 
 def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
@@ -93,25 +102,28 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     """
     # The features are refreshed in chunks of STATS_CHUNK_FEATURES: ranking every active token
     # of a whole export batch (thousands of features) at once ran out of DuckDB's memory.
-    conn.execute("""CREATE OR REPLACE TEMP TABLE stats_chunks AS
-                    SELECT *, (row_number() OVER (ORDER BY model_id, source_id, feature_index) - 1)
-                              // $size AS chunk
-                    FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)""",
+    conn.execute(f"""CREATE OR REPLACE TEMP TABLE stats_chunks AS
+                     SELECT *, (row_number() OVER (ORDER BY {_KEY}) - 1) // $size AS chunk
+                     FROM (SELECT DISTINCT {_KEY} FROM changed_features)""",
                  {"size": STATS_CHUNK_FEATURES})
     conn.execute("CREATE OR REPLACE TEMP TABLE stats_chunk AS SELECT * EXCLUDE (chunk) FROM stats_chunks LIMIT 0")
     if staged is None:
+        # a chunk's activations read from the table (it may hold millions: never all at once)
         conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
-                         SELECT {_STATS_COLUMNS} FROM activations
-                         SEMI JOIN stats_chunk USING (model_id, source_id, feature_index)""")
+                         SELECT {_EXCERPT_COLUMNS} FROM activations SEMI JOIN stats_chunk USING ({_KEY})""")
     else:
+        # A batch (bounded by the batch limits) is reduced to its excerpts once; each chunk
+        # then reads that small table, not the batch's token and value lists once per chunk
+        # (which took 45 of 124 s of a 1 GiB export batch).
         rows, keys = staged
-        conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
-                         SELECT {_STATS_COLUMNS} FROM ({rows}) AS r
-                         SEMI JOIN stats_chunk USING (model_id, source_id, feature_index)
+        conn.execute(f"""CREATE OR REPLACE TEMP TABLE stats_excerpts AS
+                         SELECT {_EXCERPT_COLUMNS} FROM ({rows}) AS r
+                         SEMI JOIN stats_chunks USING ({_KEY})
                          UNION ALL
-                         SELECT {_STATS_COLUMNS} FROM activations
-                         SEMI JOIN (SELECT * FROM stats_chunk EXCEPT {keys})
-                         USING (model_id, source_id, feature_index)""")
+                         SELECT {_EXCERPT_COLUMNS} FROM activations
+                         SEMI JOIN (SELECT {_KEY} FROM stats_chunks EXCEPT {keys}) USING ({_KEY})""")
+        conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
+                         SELECT * FROM stats_excerpts SEMI JOIN stats_chunk USING ({_KEY})""")
     conn.execute(
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
         "SELECT DISTINCT model_id, source_id FROM changed_features"
@@ -143,6 +155,7 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     (r_s,) = conn.execute(
         "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
     ).fetchone()
+    conn.execute("DROP TABLE IF EXISTS temp.main.stats_excerpts")
     return MaterialiseResult(n_f, n_s, r_f, r_s)
 
 

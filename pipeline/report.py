@@ -10,6 +10,7 @@ under ``<warehouse dir>/gx/``) and links to them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import itertools
@@ -346,9 +347,15 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
         hit = cache / f"{key}.svg"
         try:
             svg = hit.read_text(encoding="utf-8")
-            os.utime(hit)  # the cache keeps the newest used: a chart read back stays
-        except OSError:
+        except (OSError, UnicodeDecodeError):
             pass
+        else:
+            if _whole_svg(svg):
+                with contextlib.suppress(OSError):
+                    os.utime(hit)  # the cache keeps the newest used: a chart read back stays
+            else:  # cut short (a crash, a full disk) or emptied: drawn again, and replaced
+                log.warning("chart cache entry %s is damaged; drawing the chart again", hit)
+                svg = None
     if svg is None:
         svg = vlc.vegalite_to_svg(spec)
         if cache is not None:
@@ -361,6 +368,13 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
     return svg
 
 
+def _whole_svg(text: str) -> bool:
+    """A drawn chart as vl-convert writes it: one <svg> element, closed (an unclosed one would
+    swallow the rest of the page)."""
+    text = text.strip()
+    return text.startswith("<svg") and text.endswith("</svg>") and text.count("<svg") == text.count("</svg>")
+
+
 _CHART_CACHE_KEEP = 64  # drawn charts kept in <reports>/.charts/, newest first
 
 
@@ -370,6 +384,8 @@ def _cache_put(cache: Path, path: Path, svg: str) -> None:
         cache.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, svg)
         old = sorted(cache.glob("*.svg"), key=lambda p: p.stat().st_mtime, reverse=True)[_CHART_CACHE_KEEP:]
+        # and what a writer killed between writing and renaming left behind
+        old += [p for p in cache.glob(".*.tmp") if time.time() - p.stat().st_mtime > 3600]
         for p in old:
             p.unlink(missing_ok=True)
     except OSError as exc:

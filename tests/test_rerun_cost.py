@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline import Settings, ingest
 from pipeline.report import write_report
 
@@ -103,3 +105,25 @@ def test_results_of_every_batch_are_stored_for_data_docs(tmp_path, monkeypatch):
     assert batches == {"0001", "0002", "0003", "0004"}
     stored = settings.gx_dir / "gx" / "uncommitted" / "validations" / "activations" / summary.run_id
     assert len(list(stored.rglob("*.json"))) == 4
+
+
+def _charts(page: str) -> tuple[int, int]:
+    return len(re.findall(r"<svg ", page)), len(re.findall(r"</svg>", page))
+
+
+@pytest.mark.parametrize("damage", ["emptied", "truncated"])
+def test_a_damaged_cached_chart_is_drawn_again(tmp_path, damage):
+    """Found by the outside review: a cut-short cache entry was shown as it was (an unclosed
+    <svg> swallowed the rest of the page), and kept for ever (reading it refreshed its age)."""
+    settings = _settings(tmp_path)
+    summary = ingest([FIXTURES], settings, progress=False)
+    first = _charts(Path(summary.report_path).read_text())
+    assert first[0] == first[1] >= 4
+    entries = list((settings.report_dir / ".charts").glob("*.svg"))
+    for p in entries:
+        text = p.read_text()
+        p.write_text("" if damage == "emptied" else text[: len(text) // 2])  # e.g. a crash, a full disk
+    again = write_report(settings, summary.run_id).read_text()
+    assert _charts(again) == first  # every chart is there, and whole
+    assert again.rstrip().endswith("</html>")
+    assert all(p.read_text().rstrip().endswith("</svg>") for p in entries)  # and the entries mended

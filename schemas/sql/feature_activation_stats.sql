@@ -1,31 +1,24 @@
 -- feature_activation_stats: one row per (model_id, source_id, feature_index, data_source).
--- A NULL data_source is its own group. Computed from the temp view stats_activations: every
--- activation of the features being refreshed (the caller replaces their rows) — read from the
--- activations table, or, inside a load, from the batch's staged rows for the features whose
--- activations it replaces.
-WITH source AS (
-    SELECT * FROM stats_activations
-),
-
-per_excerpt AS (
+-- A NULL data_source is its own group. Computed from the temp view stats_activations: one row
+-- per activation (excerpt) of the features being refreshed (the caller replaces their rows),
+-- already reduced to its counts and its active (token, value) pairs (pipeline/materialise.py,
+-- _EXCERPT_COLUMNS) — from the activations table, or, inside a load, from the batch's staged
+-- rows for the features whose activations it replaces.
+WITH per_excerpt AS (
     SELECT
         model_id, source_id, feature_index, data_source,
-        max_value,
-        len(tokens)                                           AS n_tokens,
-        len(list_filter("values", x -> x > 0))                AS n_active_tokens,
-        coalesce(list_sum(list_filter("values", x -> x > 0)), 0) AS sum_active
-    FROM source
+        max_value, n_tokens, n_active_tokens, sum_active
+    FROM stats_activations
 ),
 
 token_best AS (
     SELECT model_id, source_id, feature_index, data_source, token, max(value) AS best
     FROM (
         -- only active tokens are unnested: a few percent of all tokens
-        SELECT model_id, source_id, feature_index, data_source,
-               unnest(list_filter(list_zip(tokens, "values"), p -> p[2] > 0)) AS pair
-        FROM source
+        SELECT model_id, source_id, feature_index, data_source, unnest(active_pairs) AS pair
+        FROM stats_activations
     )
-    CROSS JOIN LATERAL (SELECT pair[1] AS token, pair[2] AS value)
+    CROSS JOIN LATERAL (SELECT pair.token AS token, pair.value AS value)
     GROUP BY ALL
 ),
 
