@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 import duckdb
 import pyarrow as pa
 
+from .materialise import excerpt_from
 from .records import ARROW_SCHEMAS
 
 __all__ = [
@@ -50,7 +51,8 @@ _FEATURE_KEY = ("model_id", "source_id", "feature_index")
 #: After ``replace_staged``: the batch's activations that now make up their features, and
 #: those features' keys (what ``materialise.refresh_changed(staged=...)`` takes).
 STAGED_ACTIVATIONS = (
-    "SELECT s.* FROM stage_activations s JOIN incoming_activations USING (_row)",
+    # the excerpts the validation pass computed beside its checks (validate.ACTIVATION_CHECKS)
+    f"SELECT {excerpt_from('x_')} FROM stage_activation_checks JOIN incoming_activations USING (_row)",
     "SELECT DISTINCT model_id, source_id, feature_index FROM incoming_activations",
 )
 _ROW_IDS = {"activations": "activation_id", "explanations": "explanation_id"}

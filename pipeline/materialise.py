@@ -9,7 +9,8 @@ import duckdb
 from .config import SCHEMAS_DIR, Settings
 from .warehouse import CATALOG, transaction
 
-__all__ = ["MaterialiseResult", "refresh", "refresh_changed", "refresh_run"]
+__all__ = ["EXCERPT", "MaterialiseResult", "excerpt_columns", "excerpt_from", "refresh", "refresh_changed",
+           "refresh_run"]
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,33 @@ STATS_CHUNK_FEATURES = 500
 _KEY = "model_id, source_id, feature_index"
 
 #: What the statistics need of one activation (an excerpt): its counts, and only its active
-#: (token, value) pairs, a few percent of its tokens. Computed in one pass over the rows.
-_EXCERPT_COLUMNS = f"""{_KEY}, data_source, max_value,
-    len(tokens) AS n_tokens,
-    len(list_filter("values", x -> x > 0)) AS n_active_tokens,
-    coalesce(list_sum(list_filter("values", x -> x > 0)), 0) AS sum_active,
-    list_transform(list_filter(list_zip(tokens, "values"), p -> p[2] > 0),
-                   p -> {{'token': p[1], 'value': p[2]}}) AS active_pairs"""
+#: (token, value) pairs, a few percent of its tokens. Computed in one pass over the rows: inside a
+#: load, in the same pass as the validation checks (``validate``: ``stage_activation_checks``).
+EXCERPT: tuple[tuple[str, str], ...] = (
+    ("model_id", "model_id"),
+    ("source_id", "source_id"),
+    ("feature_index", "feature_index"),
+    ("data_source", "data_source"),
+    ("max_value", "max_value"),
+    ("n_tokens", "len(tokens)"),
+    ("n_active_tokens", 'len(list_filter("values", x -> x > 0))'),
+    ("sum_active", 'coalesce(list_sum(list_filter("values", x -> x > 0)), 0)'),
+    ("active_pairs", """list_transform(list_filter(list_zip(tokens, "values"), p -> p[2] > 0),
+                                  p -> {'token': p[1], 'value': p[2]})"""),
+)
+
+
+def excerpt_columns(prefix: str = "") -> str:
+    """The SELECT list of :data:`EXCERPT` over activation rows, each named ``prefix`` + name."""
+    return ", ".join(f"{expr} AS {prefix}{name}" for name, expr in EXCERPT)
+
+
+def excerpt_from(prefix: str) -> str:
+    """The SELECT list that reads back excerpt columns stored under ``prefix``."""
+    return ", ".join(f"{prefix}{name} AS {name}" for name, _ in EXCERPT)
+
+
+_EXCERPT_COLUMNS = excerpt_columns()
 
 
 def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
@@ -95,8 +116,8 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     transaction (ingest calls this inside each batch's load, so stats always match what is
     committed).
 
-    ``staged``, inside a load, is a pair of queries: the batch's activations that now make up
-    their features (the activation columns and the feature key), and those features' keys.
+    ``staged``, inside a load, is a pair of queries: the excerpts (:data:`EXCERPT` columns) of
+    the batch's activations that now make up their features, and those features' keys.
     Their stats are computed from the staged rows in memory instead of reading back what the
     load just wrote; the other changed features are read from the table.
     """
@@ -112,12 +133,12 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
         conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
                          SELECT {_EXCERPT_COLUMNS} FROM activations SEMI JOIN stats_chunk USING ({_KEY})""")
     else:
-        # A batch (bounded by the batch limits) is reduced to its excerpts once; each chunk
-        # then reads that small table, not the batch's token and value lists once per chunk
-        # (which took 45 of 124 s of a 1 GiB export batch).
+        # A batch (bounded by the batch limits) comes reduced to its excerpts; each chunk then
+        # reads that small table, not the batch's token and value lists once per chunk (which
+        # took 45 of 124 s of a 1 GiB export batch).
         rows, keys = staged
         conn.execute(f"""CREATE OR REPLACE TEMP TABLE stats_excerpts AS
-                         SELECT {_EXCERPT_COLUMNS} FROM ({rows}) AS r
+                         SELECT * FROM ({rows}) AS r
                          SEMI JOIN stats_chunks USING ({_KEY})
                          UNION ALL
                          SELECT {_EXCERPT_COLUMNS} FROM activations

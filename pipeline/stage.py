@@ -725,3 +725,4 @@ def drop(conn: duckdb.DuckDBPyConnection) -> None:
     for table in _EXPORT_COLUMNS:
         conn.execute(f"DROP TABLE IF EXISTS temp.main.fast_export_{table}")
     conn.execute("DROP TABLE IF EXISTS temp.main.fast_files")
+    conn.execute("DROP TABLE IF EXISTS temp.main.stage_activation_checks")  # made by validate
