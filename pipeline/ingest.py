@@ -42,7 +42,7 @@ from .load import (
     utcnow,
 )
 from .names import check_run_id
-from .parse import Rejected, first_line, gunzip_measure, parse_bytes
+from .parse import PAGE_KEY_BYTES, Rejected, first_line, gunzip_measure, parse_bytes
 from .receive import Input, iter_inputs
 from .records import ParsedInput
 from .s3 import is_s3
@@ -455,7 +455,7 @@ class _Run:
             # checked whole first (CRC, end marker, size limit), never held in memory.
             try:  # on S3 this reads the object once more: the price of never trusting a size
                 with open_landed(landed.path) as stream:
-                    size, lines = gunzip_measure(stream, self.settings.max_decompressed_bytes)
+                    size, lines = gunzip_measure(stream, self.settings.max_decompressed_bytes, PAGE_KEY_BYTES)
             except Rejected as exc:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return

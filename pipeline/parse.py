@@ -39,7 +39,7 @@ from .records import (
     SourceSet,
 )
 
-__all__ = ["Rejected", "parse_bytes", "gunzip_limited", "gunzip_measure", "first_line"]
+__all__ = ["PAGE_KEY_BYTES", "Rejected", "parse_bytes", "gunzip_limited", "gunzip_measure", "first_line"]
 
 
 class Rejected(ValueError):
@@ -95,9 +95,16 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
     return b"".join(_gunzip_chunks(data, limit))
 
 
-def gunzip_measure(path: Path | IO[bytes], limit: int) -> tuple[int, int]:
+#: Keys only a whole feature page has, as they appear in its JSON (the unescaped quote before the
+#: colon cannot occur inside a string value): an export file holding one is refused.
+PAGE_KEY_BYTES = (b'"activations":', b'"explanations":')
+
+
+def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes, ...] = ()) -> tuple[int, int]:
     """The decompressed size and line count of a gzip file, checked whole (CRC, end marker)
     and within ``limit``, streamed 1 MiB at a time: memory stays flat however large the file.
+    A line holding one of ``refuse_keys`` refuses the file (:data:`PAGE_KEY_BYTES`: pages in a
+    file of export rows, which the export road would read as rows, dropping the pages' records).
 
     Read with ISA-L's gzip (python-isal: 3.3 s for a 1 GiB export batch against 6.3 s with the
     standard library); a file it finds broken is read again with the standard library, whose
@@ -106,7 +113,7 @@ def gunzip_measure(path: Path | IO[bytes], limit: int) -> tuple[int, int]:
     seekable = not hasattr(path, "read") or path.seekable()  # type: ignore[union-attr]
     if _igzip is not None and seekable:
         try:
-            return _measure(_igzip, path, limit, [0])
+            return _measure(_igzip, path, limit, [0], refuse_keys)
         except Rejected:
             raise
         except Exception:  # noqa: BLE001 - diagnosed below, by the standard library
@@ -114,7 +121,7 @@ def gunzip_measure(path: Path | IO[bytes], limit: int) -> tuple[int, int]:
                 path.seek(0)  # type: ignore[union-attr]
     produced = [0]
     try:
-        return _measure(gzip, path, limit, produced)
+        return _measure(gzip, path, limit, produced, refuse_keys)
     except EOFError as exc:
         raise Rejected(
             f"gzip stream is truncated: it ended after {_fmt_bytes(produced[0])} of output "
@@ -124,10 +131,29 @@ def gunzip_measure(path: Path | IO[bytes], limit: int) -> tuple[int, int]:
         raise Rejected(f"gzip data is corrupt ({exc}); re-download or re-export the file") from exc
 
 
-def _measure(module: Any, path: Path | IO[bytes], limit: int, produced: list[int]) -> tuple[int, int]:
+def _measure(module: Any, path: Path | IO[bytes], limit: int, produced: list[int],
+             refuse_keys: tuple[bytes, ...] = ()) -> tuple[int, int]:
     lines = 0
+    carry = b""  # the end of the last chunk: a key may straddle two
     with module.open(path, "rb") as f:
         while chunk := f.read(1 << 20):
+            if refuse_keys:
+                width = max(map(len, refuse_keys)) - 1
+                for key in refuse_keys:
+                    # across the seam with the last chunk first (a few bytes), then this chunk
+                    seam = carry + chunk[:width]
+                    at = seam.find(key)
+                    if at >= 0:
+                        line = lines - carry.count(b"\n") + seam.count(b"\n", 0, at) + 1
+                    elif (at := chunk.find(key)) >= 0:
+                        line = lines + chunk.count(b"\n", 0, at) + 1
+                    if at >= 0:
+                        raise Rejected(
+                            f"line {line} holds a whole feature page ({key.decode()[:-1]} key) but the file's "
+                            "first line is a bulk-export row: send feature pages and bulk-export rows in "
+                            "separate files"
+                        )
+                carry = chunk[-width:]
             produced[0] += len(chunk)
             lines += chunk.count(b"\n")
             if produced[0] > limit:

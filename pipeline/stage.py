@@ -277,12 +277,17 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
                                maximum_object_size = {_MAX_OBJECT}) AS j""",
             {"files": paths, "shas": [sha for sha, _ in group], "columns": _EXPORT_COLUMNS[table]},
         )
-    except duckdb.InvalidInputException as exc:
+    except (duckdb.InvalidInputException, duckdb.IOException) as exc:
         # Something in a file (not memory or the disk, which fail the run to be tried again):
-        # the statement left nothing behind, so find the file(s) it was about.
+        # the statement left nothing behind, so find the file(s) it was about. DuckDB's gzip
+        # reader refuses bytes after the last member (zero padding) that gzip itself accepts.
+        if isinstance(exc, duckdb.IOException) and "gzip" not in str(exc).lower():
+            raise
         if len(group) == 1:
             log.info("DuckDB could not read export file %s: %s", paths[0], exc)
-            return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}"}
+            hint = ("; DuckDB refuses bytes after the last gzip member, such as zero padding: "
+                    "re-download or re-export the file") if isinstance(exc, duckdb.IOException) else ""
+            return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}{hint}"}
         refused: dict[str, str] = {}
         for one in group:
             refused.update(_insert_exports(conn, table, [one]))

@@ -152,3 +152,61 @@ def test_json_lines_mixing_pages_and_export_rows_are_refused_with_the_reason(tmp
     reason = summary["rejected"][0]["reason"]
     assert "line 2 of the JSON lines is an export row but line 1 is a whole feature page" in reason
     assert query(tmp_path / "wh", "SELECT count(*) FROM raw_inputs WHERE status = 'rejected'") == [(1,)]
+
+
+# --- review 2 ----------------------------------------------------------------------------------
+
+def test_gzip_json_lines_mixing_an_export_row_and_a_page_are_refused_like_uncompressed(tmp_path, settings):
+    """Uncompressed, such a file is refused; gzip-compressed it took the export road, the page
+    loaded as a bare feature row and its activations and explanations were dropped."""
+    import gzip
+
+    from tests.conftest import run_ingest
+
+    page = synthetic_page(71, valid=True)
+    row = {"modelId": page["modelId"], "layer": page["layer"], "index": "70", "maxActApprox": 3.0}
+    body = orjson.dumps(row) + b"\n" + orjson.dumps(page) + b"\n"
+    write(tmp_path / "in" / "mixed.jsonl.gz", gzip.compress(body))
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_rejected == 1, "a gzip file mixing export rows and pages must be refused"
+    assert "line 2 holds a whole feature page" in summary.rejected[0]["reason"]
+    assert query(settings, "SELECT count(*) FROM features") == [(0,)]
+
+
+def test_a_page_key_straddling_two_read_chunks_is_found_on_its_line(tmp_path):
+    import gzip
+
+    from pipeline.parse import PAGE_KEY_BYTES, Rejected, gunzip_measure
+
+    row = b'{"modelId":"m","layer":"l","index":"1","maxActApprox":1.0}\n'
+    first = row * ((1 << 20) // len(row) - 1)
+    head, tail = b'{"modelId":"m","layer":"l","index":"2","x":"', b'"}\n'
+    pad = head + b"y" * ((1 << 20) - 5 - len(first) - len(head) - len(tail)) + tail
+    body = first + pad + b'{"activations":[]}\n'
+    assert body.index(b'"activations":') == (1 << 20) - 4  # the key straddles the first 1 MiB read
+    (tmp_path / "f.jsonl.gz").write_bytes(gzip.compress(body))
+    n_first = first.count(b"\n")
+    try:
+        gunzip_measure(tmp_path / "f.jsonl.gz", 1 << 30, PAGE_KEY_BYTES)
+    except Rejected as exc:
+        assert f"line {n_first + 2} holds a whole feature page" in str(exc)
+    else:
+        raise AssertionError("the page line was not found")
+    (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(first + pad))
+    assert gunzip_measure(tmp_path / "ok.jsonl.gz", 1 << 30, PAGE_KEY_BYTES) == (len(first + pad), n_first + 1)
+
+
+def test_gzip_export_batch_with_trailing_zero_padding_does_not_fail_the_run(tmp_path, settings):
+    """gzip accepts zero padding after the last member; DuckDB's reader raised IOException
+    "Input is not a GZIP stream", uncaught: the run failed, and every re-run failed the same way."""
+    import gzip
+
+    from tests.conftest import good_page, run_ingest
+
+    rows = b"".join(orjson.dumps(a) + b"\n" for a in good_page(5)["activations"])
+    write(tmp_path / "in" / "padded.jsonl.gz", gzip.compress(rows) + b"\x00" * 16)
+    write(tmp_path / "in" / "page.json", orjson.dumps(good_page(6)))
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.status == "succeeded" and summary.n_loaded == 1 and summary.n_rejected == 1
+    assert "zero padding" in summary.rejected[0]["reason"]
+    assert query(settings, "SELECT count(*) FROM features WHERE feature_index = 6") == [(1,)]
