@@ -231,13 +231,3 @@ def test_a_postgresql_catalog_with_two_writers_and_a_reader(tmp_path):
                "--format", "json", env=env)
         assert r.returncode == 0 and '"n_activations": 40' in r.stdout, r.stderr
 
-
-def test_data_files_are_written_with_zstd(tmp_path):
-    """Migration 0004: new Parquet files use zstd (much smaller than snappy, and no slower)."""
-    warehouse = tmp_path / "wh"
-    r = fh("ingest", str(FIXTURES), "--warehouse", str(warehouse), "--no-progress")
-    assert r.returncode == 0, r.stderr
-    files = sorted((warehouse / "data").rglob("*.parquet"))
-    assert files
-    codecs = duckdb.sql(f"SELECT DISTINCT compression FROM parquet_metadata({[str(f) for f in files]})").fetchall()
-    assert codecs == [("ZSTD",)]

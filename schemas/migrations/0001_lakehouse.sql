@@ -7,8 +7,6 @@
 -- No rows inline in the catalog: every insert writes Parquet (see 0003, which sets this for
 -- warehouses created before it).
 CALL featurehouse.set_option('data_inlining_row_limit', 0);
--- Parquet files in zstd (see 0004, which sets this for warehouses created before it).
-CALL featurehouse.set_option('parquet_compression', 'zstd');
 -- Timestamps are TIMESTAMP in UTC.
 
 CREATE TABLE schema_version (
