@@ -133,16 +133,39 @@ def _sqlite_file(settings: Settings) -> Path:
     return Path(settings.catalog_url.split(":", 1)[1])
 
 
+# Python's sqlite3 and the SQLite inside DuckDB's extension are two SQLite libraries in one
+# process, and POSIX locks are per process: a connection of Python's opened on a catalog that a
+# DuckDB connection of this process had open took the catalog's WAL index for unused, truncated
+# it, and DuckDB's mapping of it died of SIGBUS (threads ingesting at once in one process). So
+# Python's SQLite opens each catalog once per process, before DuckDB does, and keeps it open.
+_SQLITE_LOCK = threading.Lock()
+_SQLITE: dict[tuple[int, int], sqlite3.Connection] = {}
+
+
+def _catalog_sqlite(path: Path, *, create: bool = False) -> sqlite3.Connection:
+    """This process's one connection of Python's sqlite3 to the catalog file ``path`` (read-only,
+    or read-write when ``create`` makes the file); callers hold ``_SQLITE_LOCK``."""
+    if create:
+        db = sqlite3.connect(f"file:{path}", uri=True, check_same_thread=False)
+    st = path.stat()  # by inode: a catalog removed and made again at the same path is another file
+    key = (st.st_dev, st.st_ino)
+    if create:
+        _SQLITE[key] = db
+    elif (db := _SQLITE.get(key)) is None:
+        db = _SQLITE[key] = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    return db
+
+
 def _metadata_exists(settings: Settings) -> bool | None:
     """For an SQLite catalog, whether its file holds a DuckLake; None for other catalogs."""
     if settings.catalog_kind != "sqlite":
         return None
     path = _sqlite_file(settings)
-    if not path.exists():
-        return False
     try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            return bool(db.execute(
+        with _SQLITE_LOCK:
+            if not path.exists():
+                return False
+            return bool(_catalog_sqlite(path).execute(
                 "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ducklake_snapshot'"
             ).fetchone()[0])
     except sqlite3.DatabaseError as exc:
@@ -221,9 +244,9 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
                 _sqlite_file(settings).parent.mkdir(parents=True, exist_ok=True)
             with write_lock(settings):
                 if _metadata_exists(settings) is False:
-                    with contextlib.closing(sqlite3.connect(_sqlite_file(settings))) as db:
+                    with _SQLITE_LOCK:
                         # WAL: readers never wait for a writer, which holds the catalog while it loads
-                        db.execute("PRAGMA journal_mode=WAL")
+                        _catalog_sqlite(_sqlite_file(settings), create=True).execute("PRAGMA journal_mode=WAL")
                 try:
                     _attach(conn, settings, [f"DATA_PATH '{_q(settings.data_url)}'"])
                 except duckdb.Error as exc:
