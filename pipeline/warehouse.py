@@ -133,44 +133,38 @@ def _sqlite_file(settings: Settings) -> Path:
     return Path(settings.catalog_url.split(":", 1)[1])
 
 
-# Python's sqlite3 and the SQLite inside DuckDB's extension are two SQLite libraries in one
-# process, and POSIX locks are per process: a connection of Python's opened on a catalog that a
-# DuckDB connection of this process had open took the catalog's WAL index for unused, truncated
-# it, and DuckDB's mapping of it died of SIGBUS (threads ingesting at once in one process). So
-# Python's SQLite opens each catalog once per process, before DuckDB does, and keeps it open.
-_SQLITE_LOCK = threading.Lock()
-_SQLITE: dict[tuple[int, int], sqlite3.Connection] = {}
-
-
-def _catalog_sqlite(path: Path, *, create: bool = False) -> sqlite3.Connection:
-    """This process's one connection of Python's sqlite3 to the catalog file ``path`` (read-only,
-    or read-write when ``create`` makes the file); callers hold ``_SQLITE_LOCK``."""
-    if create:
-        db = sqlite3.connect(f"file:{path}", uri=True, check_same_thread=False)
-    st = path.stat()  # by inode: a catalog removed and made again at the same path is another file
-    key = (st.st_dev, st.st_ino)
-    if create:
-        _SQLITE[key] = db
-    elif (db := _SQLITE.get(key)) is None:
-        db = _SQLITE[key] = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
-    return db
-
-
 def _metadata_exists(settings: Settings) -> bool | None:
-    """For an SQLite catalog, whether its file holds a DuckLake; None for other catalogs."""
+    """For an SQLite catalog, whether its file holds a DuckLake; None for other catalogs.
+
+    Read through DuckDB's SQLite (its sqlite extension, the one DuckLake uses), never Python's
+    sqlite3: two SQLite libraries in one process do not see each other's locks (POSIX locks are
+    per process), and Python's, opened while a DuckDB connection of this process had the catalog,
+    took its WAL index for unused and truncated it under DuckDB's mapping (SIGBUS), or read it
+    half-written ("database disk image is malformed") — threads ingesting at once in one process.
+    """
     if settings.catalog_kind != "sqlite":
         return None
     path = _sqlite_file(settings)
+    if not path.exists():
+        return False
+    if path.stat().st_size == 0:
+        return False  # an empty file is an SQLite database without tables
+    probe = duckdb.connect(config={"autoinstall_known_extensions": False})
     try:
-        with _SQLITE_LOCK:
-            if not path.exists():
-                return False
-            return bool(_catalog_sqlite(path).execute(
-                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'ducklake_snapshot'"
-            ).fetchone()[0])
-    except sqlite3.DatabaseError as exc:
-        raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({exc}); "
+        probe.execute(f"LOAD '{_q(extension_path('sqlite_scanner'))}'")
+        probe.execute(f"ATTACH '{_q(str(path))}' AS catalog_probe (TYPE sqlite, READ_ONLY)")
+        (n,) = probe.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'catalog_probe' "
+                             "AND table_name = 'ducklake_snapshot'").fetchone()
+        return bool(n)
+    except duckdb.Error as exc:
+        raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({_first(exc)}); "
                          "restore it from a backup, or move it away to start a new warehouse") from None
+    finally:
+        probe.close()
+
+
+def _first(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _is_duckdb_file(path: Path) -> bool:
@@ -244,9 +238,9 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
                 _sqlite_file(settings).parent.mkdir(parents=True, exist_ok=True)
             with write_lock(settings):
                 if _metadata_exists(settings) is False:
-                    with _SQLITE_LOCK:
+                    with contextlib.closing(sqlite3.connect(_sqlite_file(settings))) as db:
                         # WAL: readers never wait for a writer, which holds the catalog while it loads
-                        _catalog_sqlite(_sqlite_file(settings), create=True).execute("PRAGMA journal_mode=WAL")
+                        db.execute("PRAGMA journal_mode=WAL")
                 try:
                     _attach(conn, settings, [f"DATA_PATH '{_q(settings.data_url)}'"])
                 except duckdb.Error as exc:
