@@ -157,14 +157,10 @@ def _metadata_exists(settings: Settings) -> bool | None:
                              "AND table_name = 'ducklake_snapshot'").fetchone()
         return bool(n)
     except duckdb.Error as exc:
-        raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({_first(exc)}); "
+        raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({(str(exc).strip() or type(exc).__name__).splitlines()[0]}); "
                          "restore it from a backup, or move it away to start a new warehouse") from None
     finally:
         probe.close()
-
-
-def _first(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _is_duckdb_file(path: Path) -> bool:
