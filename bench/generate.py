@@ -23,7 +23,7 @@ from pathlib import Path
 
 import orjson
 
-from pipeline import flight
+from pipeline.stages import flight
 
 SEED_PAGE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "000_e9e35889d0228029.txt"
 

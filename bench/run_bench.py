@@ -113,7 +113,7 @@ class Runner:
 def _counts(wh: Path) -> dict:
     """What the warehouse holds (read with this checkout's code; None if it cannot read it)."""
     try:
-        from pipeline.warehouse import connect
+        from pipeline.lake.warehouse import connect
 
         with connect(wh, read_only=True) as c:
             return {"activations": c.sql("select count(*) from activations").fetchone()[0],

@@ -34,7 +34,7 @@ CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench-secret", 
 def _worker(queue, settings_kw: dict, run_id: str, env: dict) -> None:
     os.environ.update(env)
     from pipeline.config import Settings
-    from pipeline.fetch import ingest_unit
+    from pipeline.sources.fetch import ingest_unit
 
     settings = Settings.from_env(**settings_kw)
     while True:
@@ -49,11 +49,11 @@ def _land(settings, window: str, inputs: list[tuple[str, bytes, str]]) -> float:
     fetch would; returns seconds."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from pipeline.fetch import _Manifest, manifest_path
-    from pipeline.land import land
-    from pipeline.receive import Input
+    from pipeline.sources.manifest import Manifest, manifest_path
+    from pipeline.stages.land import land
+    from pipeline.stages.receive import Input
 
-    manifest = _Manifest(manifest_path(window, settings))
+    manifest = Manifest(manifest_path(window, settings))
     started = time.monotonic()
 
     def one(item):
@@ -70,8 +70,8 @@ def _land(settings, window: str, inputs: list[tuple[str, bytes, str]]) -> float:
 
 
 def _run(settings, units: list[dict], workers: int, run_id: str, env: dict) -> dict:
-    from pipeline.fetch import finish_fetched
-    from pipeline.materialise import refresh_run
+    from pipeline.sources.fetch import finish_fetched
+    from pipeline.stages.materialise import refresh_run
     from tests.conftest import query
 
     ctx = mp.get_context("spawn")
@@ -118,7 +118,7 @@ def main() -> None:
 
     from bench.generate import synthetic_pages
     from pipeline.config import Settings
-    from pipeline.plan import ingest_units
+    from pipeline.sources.plan import ingest_units
     from tests.airflow_helpers import free_port, postgres_cluster, start, stop, wait_for_port
     from tests.fake_neuronpedia import build_bucket
 

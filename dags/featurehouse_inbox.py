@@ -10,7 +10,7 @@ A file leaves the inbox (to `<inbox>/.done/<run id>/`) only once its bytes are r
 Files changed in the last `[inbox] settle_seconds` are left for the next run (still being
 copied). One task, in pool `warehouse_writer` (which bounds concurrent loads; commits take the
 warehouse's commit lock, so it may run beside the nightly); it refreshes the activation
-statistics and publishes them as Assets. The code is `pipeline.inbox.drain_inbox`.
+statistics and publishes them as Assets. The code is `pipeline.sources.inbox.drain_inbox`.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ def featurehouse_inbox():
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def drain(**context) -> dict:
         from pipeline.config import Settings
-        from pipeline.inbox import drain_inbox
-        from pipeline.plan import load_plan, run_id_for
+        from pipeline.sources.inbox import drain_inbox
+        from pipeline.sources.plan import load_plan, run_id_for
 
         plan = load_plan()
         return drain_inbox(plan.inbox, Settings.from_env(warehouse=plan.warehouse), run_id_for(_key(context), DAG_ID),

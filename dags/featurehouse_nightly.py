@@ -83,8 +83,8 @@ def _fetch_setting(key: str, default: float, kind: type) -> float:
 
 def _schedule() -> str:
     """The cron, read with the stdlib and croniter only: this file is parsed every few seconds, so
-    it must not import the pipeline (DuckDB, Arrow). ``pipeline.plan.load_plan`` reads it the
-    same way and ``pipeline.plan.cron_problem`` judges it by the same rule.
+    it must not import the pipeline (DuckDB, Arrow). ``pipeline.sources.plan.load_plan`` reads it the
+    same way and ``pipeline.sources.plan.cron_problem`` judges it by the same rule.
 
     A cron that cannot be read falls back to the default: the DAG still imports (and stays in
     the UI), and its ``plan`` task fails every night with the real error, naming the file and
@@ -154,7 +154,7 @@ def featurehouse_nightly():
     def plan(**context) -> list[dict]:
         from airflow.sdk import conf
 
-        from pipeline.plan import chunks, load_plan, window_for
+        from pipeline.sources.plan import chunks, load_plan, window_for
 
         return chunks(load_plan(), window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
 
@@ -165,7 +165,7 @@ def featurehouse_nightly():
           max_active_tis_per_dagrun=4)
     def fetch(chunk: dict) -> dict:
         from pipeline.config import Settings
-        from pipeline.plan import fetch_chunk, load_plan
+        from pipeline.sources.plan import fetch_chunk, load_plan
 
         return fetch_chunk(chunk, Settings.from_env(warehouse=load_plan().warehouse))
 
@@ -176,7 +176,7 @@ def featurehouse_nightly():
         from airflow.sdk import conf
 
         from pipeline.config import Settings
-        from pipeline.plan import ingest_units, load_plan
+        from pipeline.sources.plan import ingest_units, load_plan
 
         settings = Settings.from_env(warehouse=load_plan().warehouse)
         return ingest_units(chunks, settings, conf.getint("core", "max_map_length"))
@@ -187,8 +187,8 @@ def featurehouse_nightly():
     @task(pool="warehouse_writer")
     def ingest(unit: dict, **context) -> dict:
         from pipeline.config import Settings
-        from pipeline.fetch import ingest_unit
-        from pipeline.plan import load_plan, run_id_for
+        from pipeline.sources.fetch import ingest_unit
+        from pipeline.sources.plan import load_plan, run_id_for
 
         settings = Settings.from_env(warehouse=load_plan().warehouse)
         return ingest_unit(unit, settings, run_id=run_id_for(_key(context), DAG_ID)).as_dict()
@@ -198,8 +198,8 @@ def featurehouse_nightly():
     @task(pool="warehouse_writer", trigger_rule="all_done")
     def finish(**context) -> dict:
         from pipeline.config import Settings
-        from pipeline.fetch import finish_fetched
-        from pipeline.plan import load_plan, run_id_for, window_for
+        from pipeline.sources.fetch import finish_fetched
+        from pipeline.sources.plan import load_plan, run_id_for, window_for
 
         settings = Settings.from_env(warehouse=load_plan().warehouse)
         key = _key(context)
@@ -208,23 +208,23 @@ def featurehouse_nightly():
 
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def materialise(**context) -> dict:
-        from pipeline.materialise import refresh_run
-        from pipeline.plan import load_plan, run_id_for
+        from pipeline.sources.plan import load_plan, run_id_for
+        from pipeline.stages.materialise import refresh_run
 
         return refresh_run(load_plan().warehouse, run_id_for(_key(context), DAG_ID)).as_dict()
 
     @task
     def report(**context) -> dict:
-        from pipeline.plan import load_plan, run_id_for
-        from pipeline.report import report_run
+        from pipeline.outputs.report import report_run
+        from pipeline.sources.plan import load_plan, run_id_for
 
         return report_run(load_plan().warehouse, run_id_for(_key(context), DAG_ID))
 
     @task(pool="warehouse_writer")
     def maintain() -> dict:
-        from pipeline.maintain import maintain
-        from pipeline.plan import load_plan
-        from pipeline.warehouse import settings_for
+        from pipeline.lake.maintain import maintain
+        from pipeline.lake.warehouse import settings_for
+        from pipeline.sources.plan import load_plan
 
         return maintain(settings_for(load_plan().warehouse)).as_dict()
 

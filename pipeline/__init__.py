@@ -5,8 +5,8 @@ Stages, one module each: receive → land → parse → validate → load → ma
 
 from .config import Settings
 from .ingest import RunSummary, ingest
-from .materialise import refresh as refresh_stats
-from .parse import Rejected, parse_bytes
+from .stages.materialise import refresh as refresh_stats
+from .stages.parse import Rejected, parse_bytes
 
 __all__ = ["Settings", "RunSummary", "ingest", "refresh_stats", "Rejected", "parse_bytes"]
 __version__ = "0.1.0"

@@ -14,12 +14,12 @@ import click
 import duckdb
 import orjson
 
-from . import materialise
-from . import warehouse as warehouse_mod
 from .config import Settings
 from .ingest import RunSummary, ingest
+from .lake import warehouse as warehouse_mod
 from .names import BadRunId, check_run_id
-from .receive import InputNotFound
+from .stages import materialise
+from .stages.receive import InputNotFound
 
 warehouse_option = click.option(
     "--warehouse",
@@ -152,7 +152,7 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
       2  a usage error (a path that does not exist, a bad --run-id)
       4  --strict and the run's verdict is FAIL
     """
-    from .report import verdict
+    from .outputs.report import verdict
 
     # A SIGTERM (a timeout, Airflow stopping a task, `kill`) ends the run as failed, recorded,
     # instead of leaving it `running` until a later run finds its process gone.
@@ -247,7 +247,7 @@ def status_cmd(warehouse, limit, fmt) -> None:
     A run still marked running whose process is gone (killed) shows as abandoned; nothing is
     written (the next ingest records it).
     """
-    from .report import recent_runs
+    from .outputs.report import recent_runs
 
     settings = Settings.from_env(warehouse=warehouse)
     with _open(settings, read_only=True) as conn:
@@ -276,7 +276,7 @@ def status_cmd(warehouse, limit, fmt) -> None:
               help="Folder for the report and index.html (default: reports/ in the warehouse folder).")
 def report_cmd(warehouse, run_id, out_dir) -> None:
     """Write a run's HTML data-quality and activation report, and the index of runs."""
-    from . import report
+    from .outputs import report
 
     settings = Settings.from_env(warehouse=warehouse)
     conn = _open(settings, read_only=True)
@@ -309,7 +309,7 @@ def materialise_cmd(warehouse, run_id) -> None:
 def history_cmd(feature, warehouse, fmt) -> None:
     """Show a feature's versions over time: when each capture was loaded, by which run, and its
     max activation, number of activations and explanations as of then."""
-    from .history import BadFeatureKey, feature_history, parse_key
+    from .lake.history import BadFeatureKey, feature_history, parse_key
 
     try:
         key = parse_key(feature)
@@ -337,7 +337,7 @@ def history_cmd(feature, warehouse, fmt) -> None:
 @click.option("--max-rows", default=100, show_default=True, help="Rows shown in table format.")
 def changes_cmd(since, warehouse, fmt, max_rows) -> None:
     """List the features added, removed and changed since a run or a moment, with what changed."""
-    from .history import HistoryUnavailable, changes_since, describe
+    from .lake.history import HistoryUnavailable, changes_since, describe
 
     settings = Settings.from_env(warehouse=warehouse)
     with _open(settings, read_only=True) as conn:
@@ -365,7 +365,7 @@ def maintain_cmd(warehouse, retention_days, grace_minutes) -> None:
     """Expire old snapshots, merge small files and delete files nothing references."""
     from datetime import timedelta
 
-    from .maintain import maintain
+    from .lake.maintain import maintain
 
     settings = Settings.from_env(warehouse=warehouse)
     try:
@@ -399,7 +399,7 @@ def migrate_cmd(old, warehouse) -> None:
     Every row, run, quarantine record and validation result is kept; the old file is left as it
     was (delete it once you are satisfied). The target defaults to the old file's folder.
     """
-    from .legacy import LegacyMigrationError, migrate_file
+    from .lake.legacy import LegacyMigrationError, migrate_file
 
     settings = Settings.from_env(warehouse=warehouse or old.parent)
     try:
@@ -472,10 +472,10 @@ def _fetch_options(f):
 
 
 def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool) -> None:
-    from .fetch import ingest_fetched
+    from .sources.fetch import ingest_fetched
 
     click.echo(f"fetch window {window}", err=True)
-    from .fetch import BadApiKey
+    from .sources.api import BadApiKey
 
     try:
         result = fetch()
@@ -530,8 +530,8 @@ def fetch_group() -> None:
 def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, source, warehouse, window,
                        concurrency, requests_per_hour, timeout, max_attempts, backoff, no_progress) -> None:
     """Fetch features through GET /api/feature/{model}/{source}/{index} and ingest them."""
-    from .fetch import fetch_features
     from .ingest import new_run_id
+    from .sources.fetch import fetch_features
 
     wanted = _span(span, "--range")
     if bool(indices or wanted is not None) == all_features:
@@ -559,8 +559,8 @@ def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, so
 def fetch_exports_cmd(span, exports_url, model, source, warehouse, window, concurrency, requests_per_hour,
                       timeout, max_attempts, backoff, no_progress) -> None:
     """Fetch a source's bulk exports (S3 bucket, v1/{model}/{source}/) and ingest them."""
-    from .fetch import fetch_exports
     from .ingest import new_run_id
+    from .sources.fetch import fetch_exports
 
     batches = _span(span, "--batches")
     settings = Settings.from_env(warehouse=warehouse)

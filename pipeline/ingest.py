@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -28,10 +28,16 @@ import orjson
 import pyarrow as pa
 from tqdm import tqdm
 
-from . import materialise, runstate, stage, validate, warehouse
 from .config import Settings
-from .land import Landed, land, open_landed, read_landed
-from .load import (
+from .lake import runstate, warehouse
+from .lake.landing import open_landed, read_landed
+from .lake.runstate import COUNTERS, RunSummary, write_counts
+from .lake.s3 import is_s3
+from .lake.warehouse import utcnow
+from .names import check_run_id
+from .stages import materialise, stage, validate
+from .stages.land import Landed, land
+from .stages.load import (
     DATA_TABLES,
     REFERENCE_KEYS,
     STAGED_ACTIVATIONS,
@@ -39,15 +45,12 @@ from .load import (
     insert_rows,
     replace_staged,
     upsert_reference,
-    utcnow,
 )
-from .names import check_run_id
-from .parse import PAGE_KEY_BYTES, Rejected, first_line, gunzip_measure, parse_bytes
-from .receive import Input, iter_inputs
-from .records import ParsedInput
-from .s3 import is_s3
+from .stages.parse import PAGE_KEY_BYTES, Rejected, first_line, gunzip_measure, parse_bytes
+from .stages.receive import Input, iter_inputs
+from .stages.records import ParsedInput
 
-__all__ = ["RunSummary", "ingest", "new_run_id", "record_report", "finish_parts", "PART_BATCHES"]
+__all__ = ["RunSummary", "ingest", "new_run_id", "PART_BATCHES"]
 
 log = logging.getLogger("featurehouse")
 
@@ -66,62 +69,6 @@ class _Unreadable(Exception):
 def new_run_id(prefix: str = "run") -> str:
     """A sortable, unique run id: ``run-20261129T211500Z-1a2b3c``."""
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-
-
-@dataclass
-class RunSummary:
-    """What one ingest run did; ``as_dict()`` is small enough to pass between Airflow tasks."""
-
-    run_id: str
-    warehouse: str
-    status: str = "running"
-    n_received: int = 0
-    n_landed: int = 0
-    n_duplicates: int = 0
-    n_loaded: int = 0
-    n_rejected: int = 0
-    n_features: int = 0
-    n_activations: int = 0
-    n_explanations: int = 0
-    n_quarantined: int = 0
-    n_superseded: int = 0
-    n_expectations: int = 0
-    n_expectations_failed: int = 0
-    seconds: float = 0.0
-    commits: int = 0
-    commit_retries: int = 0
-    lock_wait_seconds: float = 0.0
-    commit_seconds: float = 0.0
-    rejected: list[dict[str, str]] = field(default_factory=list)
-    report_path: str | None = None
-    stats: warehouse.CommitStats = field(default_factory=warehouse.CommitStats, repr=False)
-    """Accumulates over the run's transactions; copied into the fields above."""
-    part: int | None = None
-    """Set when this ingest is one of several loading one run at once (``ingest(part=...)``)."""
-    written: dict[str, float] = field(default_factory=dict, repr=False)
-    """A part's counters as already added to the shared ``runs`` row."""
-
-    def sync_commit_stats(self) -> dict[str, float]:
-        self.commits, self.commit_retries = self.stats.commits, self.stats.retries
-        self.lock_wait_seconds = round(self.stats.lock_wait_seconds, 3)
-        self.commit_seconds = round(self.stats.commit_seconds, 3)
-        return {k: getattr(self, k) for k in _COMMIT_FIELDS}
-
-    def as_dict(self) -> dict[str, Any]:
-        self.sync_commit_stats()
-        d = asdict(self)
-        d.pop("stats")
-        d.pop("written")
-        d["rejected"] = d["rejected"][:50]
-        return d
-
-
-_COUNTERS = (
-    "n_received", "n_landed", "n_duplicates", "n_loaded", "n_rejected", "n_features",
-    "n_activations", "n_explanations", "n_quarantined", "n_superseded", "n_expectations",
-    "n_expectations_failed",
-)
-_COMMIT_FIELDS = ("commits", "commit_retries", "lock_wait_seconds", "commit_seconds")
 
 
 class _Batch:
@@ -322,7 +269,7 @@ class _Run:
 
         def body(conn: duckdb.DuckDBPyConnection) -> None:
             insert_rows(conn, "run_inputs", batch.run_inputs)
-            counts = {c: getattr(s, c) for c in _COUNTERS} | s.sync_commit_stats()
+            counts = {c: getattr(s, c) for c in COUNTERS} | s.sync_commit_stats()
             conn.execute(
                 "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
                 counts | {"run_id": run_id},
@@ -403,8 +350,8 @@ class _Run:
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
                       "n_expectations": len(results), "n_expectations_failed": sum(not r["success"] for r in results)}
-            counts = {c: getattr(s, c) + delta.get(c, 0) for c in _COUNTERS} | s.sync_commit_stats()
-            _write_counts(conn, s, counts)
+            counts = {c: getattr(s, c) + delta.get(c, 0) for c in COUNTERS} | s.sync_commit_stats()
+            write_counts(conn, s, counts)
             return delta, counts
 
         delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
@@ -547,7 +494,7 @@ def ingest(
     ``part`` (0, 1, ...) makes this ingest one of several loading the same ``run_id`` at once
     (the nightly DAG's mapped ingests, each a disjoint share of the inputs): each part adds its
     counts to the run's row instead of storing its own, numbers its batches apart, and leaves
-    the run's status to :func:`finish_parts`, called once all parts are done.
+    the run's status to :func:`pipeline.lake.runstate.finish_parts`, called once all parts are done.
     """
     settings = settings or Settings.from_env()
     todo, total = _expand(inputs)
@@ -561,7 +508,7 @@ def ingest(
             runstate.mark_abandoned(conn, settings, by=run_id)
         except Exception:
             log.exception("could not mark the abandoned runs of this host")
-        _start_run(conn, settings, summary, trigger)
+        runstate.start_run(conn, settings, summary, trigger)
         run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats)
         run_started = run
         batch = _Batch()
@@ -583,130 +530,31 @@ def ingest(
         if run_started is not None:
             run_started.close()
         try:
-            _finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
+            runstate.finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
         except Exception:
             log.exception("could not record that run %s failed", run_id)
         if report_after and isinstance(exc, Exception):
-            _write_report(conn, summary, settings)
+            write_run_report(conn, summary, settings)
         conn.close()
         raise
     summary.seconds = round(time.monotonic() - started, 3)
-    _finish_run(conn, settings, summary)
+    runstate.finish_run(conn, settings, summary)
     if report_after:
-        _write_report(conn, summary, settings)
+        write_run_report(conn, summary, settings)
     conn.close()
     return summary
 
 
-def _write_counts(conn: duckdb.DuckDBPyConnection, summary: RunSummary, counts: dict[str, float]) -> None:
-    """Store the run's counters. A part of a shared run adds what it counted since its last
-    write (parts commit one at a time under the commit lock, so the sums are exact); a whole
-    run stores its totals."""
-    if summary.part is None:
-        conn.execute("UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
-                     counts | {"run_id": summary.run_id})
-        return
-    add = {c: v - summary.written.get(c, 0) for c, v in counts.items()}
-    conn.execute("UPDATE runs SET " + ", ".join(f"{c} = coalesce({c}, 0) + ${c}" for c in add)
-                 + " WHERE run_id = $run_id", add | {"run_id": summary.run_id})
-
-
-def _start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary, trigger: str) -> None:
-    """Record the run as running, and which process runs it (``runs.host``, ``runs.pid``: how a
-    later run tells it was killed); a retry of the same run id carries on from its counts. A
-    part of a shared run makes the row if it is the first, and clears its own earlier failure;
-    a shared run records no owner (its parts run in many processes, and the DAG's ``finish``
-    task settles its status), so it is never taken for abandoned.
-    """
-    owner = {"host": runstate.this_host(), "pid": os.getpid()} if summary.part is None else {"host": None, "pid": None}
-
-    def body(conn: duckdb.DuckDBPyConnection) -> None:
-        stored = conn.execute(f"SELECT {', '.join(_COUNTERS + _COMMIT_FIELDS)} FROM runs WHERE run_id = ?",
-                              [summary.run_id]).fetchone()
-        if stored and summary.part is not None:
-            conn.execute("UPDATE runs SET status = 'running', error = NULL WHERE run_id = ? AND status = 'failed' "
-                         "AND starts_with(error, ?)", [summary.run_id, _part_tag(summary.part)])
-        elif stored:  # a retry of the same run: carry on from what its earlier attempts counted
-            for name, value in zip(_COUNTERS, stored):
-                setattr(summary, name, value or 0)
-            st = summary.stats
-            st.commits, st.retries, st.lock_wait_seconds, st.commit_seconds = (v or 0 for v in stored[len(_COUNTERS):])
-            conn.execute("UPDATE runs SET status = 'running', started_at = $at, finished_at = NULL, error = NULL, "
-                         "host = $host, pid = $pid WHERE run_id = $run_id",
-                         {"at": utcnow(), "run_id": summary.run_id} | owner)
-        else:
-            conn.execute("INSERT INTO runs (run_id, started_at, status, trigger, host, pid) "
-                         "VALUES ($run_id, $at, 'running', $trigger, $host, $pid)",
-                         {"run_id": summary.run_id, "at": utcnow(), "trigger": trigger} | owner)
-
-    warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} started",
-                          extra={"run_id": summary.run_id}, stats=summary.stats)
-
-
-def _part_tag(part: int) -> str:
-    return f"part c{part}: "
-
-
-def _finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
-                error: str | None = None) -> None:
-    def part_body(c: duckdb.DuckDBPyConnection) -> dict[str, float]:
-        counts = {k: getattr(summary, k) for k in _COUNTERS} | summary.sync_commit_stats()
-        _write_counts(c, summary, counts)
-        if error is not None:  # the run fails with its part; the part's retry clears it (_start_run)
-            c.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
-                      [_part_tag(summary.part) + error, summary.run_id])
-        return counts
-
-    def body(c: duckdb.DuckDBPyConnection) -> None:
-        stats = summary.sync_commit_stats()
-        c.execute("UPDATE runs SET status = $status, finished_at = $at, error = $error, "
-                  + ", ".join(f"{k} = ${k}" for k in stats) + " WHERE run_id = $run_id",
-                  {"status": summary.status, "at": utcnow(), "error": error, "run_id": summary.run_id} | stats)
-
-    if summary.part is None:
-        warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} {summary.status}",
-                              extra={"run_id": summary.run_id}, stats=summary.stats)
-        return
-    # A part only adds its counts: the run's status is decided once all parts are done
-    # (pipeline.fetch.finish_fetched).
-    summary.written = warehouse.transaction(
-        conn, settings, part_body, message=f"run {summary.run_id} part c{summary.part} {summary.status}",
-        extra={"run_id": summary.run_id, "part": summary.part}, stats=summary.stats)
-
-
-def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, failed_parts: int = 0) -> str:
-    """Close a run loaded in parts: ``succeeded`` unless a part failed (its error stays) or
-    ``failed_parts`` (known to the scheduler) is above 0. Returns the status."""
-    def body(c: duckdb.DuckDBPyConnection) -> str:
-        row = c.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
-        if row is None:  # no part had anything to load
-            c.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', 'airflow')",
-                      [run_id, utcnow()])
-        status = "failed" if (row and row[0] == "failed") or failed_parts else "succeeded"
-        c.execute("UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?) WHERE run_id = ?",
-                  [status, utcnow(), f"{failed_parts} ingest part(s) failed" if failed_parts else None, run_id])
-        return status
-
-    return warehouse.transaction(conn, settings, body, message=f"run {run_id} parts finished",
-                                 extra={"run_id": run_id})
-
-
-def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path) -> None:
-    """Record where a run's HTML report was written (``runs.report_path``)."""
-    warehouse.transaction(
-        conn, settings, lambda c: c.execute("UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id]),
-        message=f"run {run_id} report", extra={"run_id": run_id},
-    )
-
-
-def _write_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
+def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
     """Write the run's HTML report (it records its path in ``runs.report_path``); a failure
     here is logged, not raised."""
     try:
-        from . import report  # charts pull in Altair and vl-convert: only when a report is wanted
+        from .outputs import (
+            report,  # charts pull in Altair and vl-convert: only when a report is wanted
+        )
 
         path = report.write_report(conn, summary.run_id, settings=settings)
         summary.report_path = str(path)
-        record_report(conn, settings, summary.run_id, path)
+        runstate.record_report(conn, settings, summary.run_id, path)
     except Exception:
         log.exception("could not write the report for run %s", summary.run_id)

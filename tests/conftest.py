@@ -113,7 +113,7 @@ def settings(tmp_path: Path) -> Settings:
 def open_warehouse(warehouse: Path | Settings) -> duckdb.DuckDBPyConnection:
     """The warehouse read-only, as `featurehouse sql` opens it (a folder resolves the rest from
     the environment)."""
-    from pipeline import warehouse as wh
+    from pipeline.lake import warehouse as wh
 
     return wh.connect(warehouse, read_only=True)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Settings
-from pipeline.fetch import fetch_features, ingest_fetched
+from pipeline.sources.fetch import fetch_features, ingest_fetched
 from tests.airflow_helpers import (
     AIRFLOW,
     SCALE_SERVICES,

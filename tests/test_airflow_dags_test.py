@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.inbox import DONE_DIR, pending_files
-from pipeline.plan import run_id_for, window_for
+from pipeline.sources.inbox import DONE_DIR, pending_files
+from pipeline.sources.plan import run_id_for, window_for
 from tests.airflow_helpers import REPO, airflow, airflow_env, fake_neuronpedia_server, init
 from tests.conftest import open_warehouse
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Settings
-from pipeline.inbox import pending_files
+from pipeline.sources.inbox import pending_files
 from tests.airflow_helpers import (
     AIRFLOW,
     SERVICES,

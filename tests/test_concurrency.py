@@ -24,8 +24,8 @@ import orjson
 import pytest
 
 from bench.generate import synthetic_page
-from pipeline import warehouse as wh
 from pipeline.config import Settings
+from pipeline.lake import warehouse as wh
 from tests.conftest import META_COLUMNS, query, table_rows
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
@@ -149,7 +149,7 @@ def test_two_concurrent_ingests_of_the_same_corpus_equal_one_ingest(tmp_path):
 OUTSIDE_WRITER = textwrap.dedent("""
     import sys, time, duckdb
     from pathlib import Path
-    from pipeline import warehouse as wh
+    from pipeline.lake import warehouse as wh
     from pipeline.config import Settings
     settings = Settings(warehouse=Path(sys.argv[1]))
     conn = duckdb.connect()

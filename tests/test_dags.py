@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.plan import load_plan
+from pipeline.sources.plan import load_plan
 from tests.airflow_helpers import REPO, airflow_env
 
 DAGS = REPO / "dags"
@@ -117,7 +117,7 @@ def test_nightly_shape(bag):
 
 def test_nightly_schedule_comes_from_featurehouse_toml(bag, tmp_path):
     assert load_plan(env={}).schedule in bag["dags"]["featurehouse_nightly"]["summary"]
-    # FEATUREHOUSE_CONFIG and FEATUREHOUSE_SCHEDULE move it, as pipeline.plan reads them
+    # FEATUREHOUSE_CONFIG and FEATUREHOUSE_SCHEDULE move it, as pipeline.sources.plan reads them
     cfg = tmp_path / "fh.toml"
     cfg.write_text('[schedule]\ncron = "15 4 * * *"\n')
     other = _run(_PROBE, [str(DAGS)], tmp_path, FEATUREHOUSE_CONFIG=str(cfg))
@@ -159,5 +159,5 @@ def test_a_bad_cron_keeps_the_dag_and_fails_its_plan_task_naming_the_entry(tmp_p
     got = _run(_PLAN_TASK, [str(DAGS)], tmp_path, FEATUREHOUSE_CONFIG=str(cfg))
     assert got["import_errors"] == {}, "a bad cron must not make the DAG file fail to import"
     assert got["summary"] == "0 3 * * *"  # the default, so the mistake surfaces every night
-    assert got["plan_error"] and got["plan_error"].startswith("pipeline.plan.ConfigError: ")
+    assert got["plan_error"] and got["plan_error"].startswith("pipeline.sources.plan.ConfigError: ")
     assert str(cfg) in got["plan_error"] and f"[schedule] cron '{cron}'" in got["plan_error"]

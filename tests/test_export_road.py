@@ -204,8 +204,8 @@ def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_va
 
 
 def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkeypatch):
-    from pipeline import stage
     from pipeline.config import Settings
+    from pipeline.stages import stage
 
     monkeypatch.setattr(stage, "MAX_BAD_LINES", 5)
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
@@ -232,7 +232,7 @@ def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loade
     could not read were not where the bad lines are, a good row could be lost: refused whole."""
     import duckdb
 
-    from pipeline import stage
+    from pipeline.stages import stage
 
     scan = stage._scan_lines
     monkeypatch.setattr(stage, "_scan_lines",

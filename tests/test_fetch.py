@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import cli
-from pipeline.fetch import fetch_features, ingest_fetched, manifest_path, read_manifest
+from pipeline.sources.fetch import fetch_features, ingest_fetched, manifest_path, read_manifest
 from tests.fake_neuronpedia import FakeNeuronpedia, feature_path, random_faults
 from tests.fetch_support import FAST, MODEL, SOURCE, pages, query, scalar, settings_in
 

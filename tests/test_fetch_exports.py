@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.cli import cli
-from pipeline.exports import IncompleteTransfer, ListObjectsV2, stream_to_landing
-from pipeline.fetch import (
+from pipeline.sources.exports import IncompleteTransfer, ListObjectsV2, stream_to_landing
+from pipeline.sources.fetch import (
     fetch_exports,
     fetch_features,
     ingest_fetched,

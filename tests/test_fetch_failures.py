@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.fetch import ingest_fetched
-from pipeline.plan import FetchChunkFailed, fetch_chunk, too_many_failed
+from pipeline.sources.fetch import ingest_fetched
+from pipeline.sources.plan import FetchChunkFailed, fetch_chunk, too_many_failed
 from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
 from tests.fetch_support import MODEL, SOURCE, pages, query, settings_in
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import flight
+from pipeline.stages import flight
 from tests.conftest import SEED_FLIGHT
 from tests.formats import UNDEFINED, FlightWriter, to_html
 

@@ -15,7 +15,7 @@ import orjson
 
 from bench.generate import synthetic_page
 from pipeline.config import Settings
-from pipeline.warehouse import attach_sql
+from pipeline.lake.warehouse import attach_sql
 from tests.conftest import query, write
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
@@ -176,7 +176,7 @@ def test_gzip_json_lines_mixing_an_export_row_and_a_page_are_refused_like_uncomp
 def test_a_page_key_straddling_two_read_chunks_is_found_on_its_line(tmp_path):
     import gzip
 
-    from pipeline.parse import PAGE_KEY_BYTES, Rejected, gunzip_measure
+    from pipeline.stages.parse import PAGE_KEY_BYTES, Rejected, gunzip_measure
 
     row = b'{"modelId":"m","layer":"l","index":"1","maxActApprox":1.0}\n'
     first = row * ((1 << 20) // len(row) - 1)

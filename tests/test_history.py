@@ -17,9 +17,9 @@ import pytest
 
 from bench.generate import synthetic_page
 from pipeline.config import Settings
-from pipeline.history import BadFeatureKey, changes_since, feature_history, parse_key
-from pipeline.maintain import maintain
-from pipeline.warehouse import connect
+from pipeline.lake.history import BadFeatureKey, changes_since, feature_history, parse_key
+from pipeline.lake.maintain import maintain
+from pipeline.lake.warehouse import connect
 from tests.conftest import good_page, query, run_ingest, table_rows, write
 from tests.formats import to_api_json
 from tests.test_snapshots import T0, _at, page_v

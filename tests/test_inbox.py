@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Settings
-from pipeline.inbox import DONE_DIR, drain_inbox, pending_files
-from pipeline.warehouse import BadCatalog
+from pipeline.lake.warehouse import BadCatalog
+from pipeline.sources.inbox import DONE_DIR, drain_inbox, pending_files
 from tests.conftest import open_warehouse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_a_run_killed_half_way_loses_nothing_and_the_next_run_finishes(tmp_path)
         (inbox / f"page_{i:03d}.txt").write_bytes(base + b"\n" * (i + 1))
         os.utime(inbox / f"page_{i:03d}.txt", (0, 0))
     code = (
-        "import sys; from pathlib import Path; from pipeline.config import Settings; from pipeline.inbox import drain_inbox;"
+        "import sys; from pathlib import Path; from pipeline.config import Settings; from pipeline.sources.inbox import drain_inbox;"
         "drain_inbox(sys.argv[1], Settings(warehouse=Path(sys.argv[2]), batch_activations=1), 'killed-run')"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(inbox), str(wh)], cwd=ROOT)

@@ -14,8 +14,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from pipeline import warehouse as wh
 from pipeline.config import SCHEMAS_DIR, Settings
+from pipeline.lake import warehouse as wh
 from tests.conftest import FIXTURES, SEED_FLIGHT, query, run_ingest
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")

@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
-from pipeline.land import land, landed_path
-from pipeline.receive import Input, InputNotFound, iter_inputs
+from pipeline.lake.landing import landed_path
+from pipeline.stages.land import land
+from pipeline.stages.receive import Input, InputNotFound, iter_inputs
 from tests.conftest import SEED_FLIGHT, SEED_NOT_A_PAGE, query, run_ingest, write
 
 
@@ -78,8 +79,8 @@ def test_same_bytes_under_two_names_land_once(tmp_path, settings):
 _FILL_THE_DISK = r"""
 import resource, sys
 from pathlib import Path
-from pipeline.land import land
-from pipeline.receive import Input
+from pipeline.stages.land import land
+from pipeline.stages.receive import Input
 # A file-size limit makes the landing copy fail part-way, as a full disk does (EFBIG; Python
 # ignores SIGXFSZ, so the write raises instead of killing the process).
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))

@@ -9,8 +9,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from pipeline.config import Settings
-from pipeline.materialise import refresh
-from pipeline.warehouse import connect
+from pipeline.lake.warehouse import connect
+from pipeline.stages.materialise import refresh
 from tests.conftest import good_page, query, run_ingest, seed_page_copy, write
 from tests.formats import to_api_json, to_flight
 
@@ -164,7 +164,7 @@ def test_stats_refreshed_in_feature_chunks_equal_one_pass(tmp_path, monkeypatch)
     import orjson
 
     from bench.generate import synthetic_page
-    from pipeline import materialise
+    from pipeline.stages import materialise
 
     files = [write(tmp_path / "in" / f"{i}.json", orjson.dumps(synthetic_page(i))) for i in range(7)]
     stats = "SELECT * EXCLUDE (refreshed_at) FROM feature_activation_stats ORDER BY ALL"

@@ -9,8 +9,8 @@ from datetime import datetime
 import orjson
 import pytest
 
-from pipeline.parse import Rejected, parse_bytes
-from pipeline.records import InputFormat
+from pipeline.stages.parse import Rejected, parse_bytes
+from pipeline.stages.records import InputFormat
 from tests.conftest import SEED_FLIGHT, good_page
 from tests.formats import gz, to_api_json, to_flight, to_html
 
@@ -86,7 +86,7 @@ def test_index_becomes_an_integer_and_a_non_number_is_refused():
 @pytest.mark.parametrize("field", ["maxValueTokenIndex", "dfaTargetIndex", "qualifyingTokenIndex"])
 def test_integer_too_large_for_its_column_does_not_break_parsing(field):
     """An int32 column given 3,000,000,000 must not crash the load; the value cannot be kept."""
-    from pipeline.records import to_arrow
+    from pipeline.stages.records import to_arrow
 
     page = good_page()
     page["activations"][0][field] = 3_000_000_000
@@ -95,7 +95,7 @@ def test_integer_too_large_for_its_column_does_not_break_parsing(field):
 
 
 def test_values_beyond_int64_become_floats():
-    from pipeline.records import to_arrow
+    from pipeline.stages.records import to_arrow
 
     page = good_page()
     page["activations"][0]["values"][0] = 2**64 - 1

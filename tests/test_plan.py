@@ -1,4 +1,4 @@
-"""featurehouse.toml → Plan → fetch chunks (pipeline/plan.py)."""
+"""featurehouse.toml → Plan → fetch chunks (pipeline/sources/plan.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.plan import (
+from pipeline.sources.plan import (
     DEFAULT_CONFIG,
     ConfigError,
     chunks,
@@ -197,8 +197,8 @@ def test_too_many_ranges_for_the_map_limit_is_a_config_error(tmp_path):
 def test_fetch_chunk_lands_each_kind_of_chunk_from_a_real_server(tmp_path):
     """The dispatcher the nightly DAG's mapped task calls: API ranges, all features, exports."""
     from pipeline.config import Settings
-    from pipeline.fetch import ingest_fetched
-    from pipeline.plan import fetch_chunk
+    from pipeline.sources.fetch import ingest_fetched
+    from pipeline.sources.plan import fetch_chunk
     from tests.fake_neuronpedia import MODEL, SOURCE, FakeNeuronpedia, feature_path, small_pages
 
     settings = Settings(warehouse=tmp_path / "wh" / "f.duckdb")

@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from bench.generate import seed_page, write_pages
 from pipeline import Settings, ingest
 from pipeline.cli import cli
-from pipeline.report import VERDICT_RULES, NoRuns, RunNotFound, verdict, write_report
+from pipeline.outputs.report import VERDICT_RULES, NoRuns, RunNotFound, verdict, write_report
 from tests.conftest import open_warehouse
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,7 +283,7 @@ def test_report_command_names_a_missing_run(seed_run):
 
 def test_report_of_an_empty_warehouse_says_so(tmp_path):
     wh = tmp_path / "wh"
-    from pipeline import warehouse
+    from pipeline.lake import warehouse
 
     warehouse.connect(wh, create=True).close()
     with pytest.raises(NoRuns):

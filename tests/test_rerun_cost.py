@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import Settings, ingest
-from pipeline.report import write_report
+from pipeline.outputs.report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -24,7 +24,8 @@ def _settings(tmp: Path) -> Settings:
 
 _CHILD = """
 import json, sys
-from pipeline import Settings, ingest
+from pipeline import Settings
+from pipeline import ingest
 s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False)
 print(json.dumps({"gx": "great_expectations" in sys.modules, "loaded": s.n_loaded,
                   "report": s.report_path, "status": s.status}))

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 
 from pipeline import Settings, ingest
 from pipeline.cli import cli
-from pipeline.fetch import ingest_fetched
 from pipeline.names import BadRunId, check_run_id
-from pipeline.report import write_report
+from pipeline.outputs.report import write_report
+from pipeline.sources.fetch import ingest_fetched
 from tests.conftest import FIXTURES
 
 BAD = ["../../escaped", "../escaped", "/tmp/escaped", "a/b", ".hidden", "..", "", "two words",

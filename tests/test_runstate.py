@@ -13,8 +13,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from bench.generate import write_pages
-from pipeline import Settings, ingest, runstate, warehouse
-from pipeline.load import utcnow
+from pipeline import Settings, ingest
+from pipeline.lake import runstate, warehouse
+from pipeline.stages.load import utcnow
 from tests.conftest import SEED_FLIGHT, SEED_NOT_A_PAGE, open_warehouse, query
 from tests.test_cli import FEATUREHOUSE, fh
 

@@ -18,20 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import s3
 from pipeline.config import Settings
-from pipeline.fetch import (
+from pipeline.ingest import PART_BATCHES
+from pipeline.lake import s3
+from pipeline.lake.landing import read_landed
+from pipeline.sources.fetch import (
     fetch_exports,
     fetch_features,
     finish_fetched,
     ingest_fetched,
     ingest_unit,
 )
-from pipeline.ingest import PART_BATCHES
-from pipeline.land import land, read_landed
-from pipeline.materialise import refresh_run
-from pipeline.plan import ingest_units
-from pipeline.receive import Input
+from pipeline.sources.plan import ingest_units
+from pipeline.stages.land import land
+from pipeline.stages.materialise import refresh_run
+from pipeline.stages.receive import Input
 from tests.conftest import query, table_rows
 from tests.fake_neuronpedia import FakeNeuronpedia
 from tests.fetch_support import FAST, MODEL, SOURCE, pages, scalar

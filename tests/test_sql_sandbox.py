@@ -15,8 +15,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from pipeline import warehouse
 from pipeline.config import Settings
+from pipeline.lake import warehouse
 from tests.conftest import FIXTURES
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")

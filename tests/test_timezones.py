@@ -35,7 +35,8 @@ _CHILD = r"""
 import gzip, json, sys
 from pathlib import Path
 import duckdb, orjson
-from pipeline import Settings, warehouse
+from pipeline import Settings
+from pipeline.lake import warehouse
 from pipeline.ingest import ingest
 from tests.conftest import good_page
 

@@ -22,11 +22,12 @@ feature holds takes it over, and that feature's statistics are refreshed too.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime
 
 import duckdb
 import pyarrow as pa
 
+from ..lake.warehouse import utcnow
 from .materialise import excerpt_from
 from .records import ARROW_SCHEMAS
 
@@ -56,10 +57,6 @@ STAGED_ACTIVATIONS = (
     "SELECT DISTINCT model_id, source_id, feature_index FROM incoming_activations",
 )
 _ROW_IDS = {"activations": "activation_id", "explanations": "explanation_id"}
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 def passed(table: str) -> str:

@@ -29,13 +29,20 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TypeVar
 
 import duckdb
 import orjson
 
-from .config import SCHEMAS_DIR, Settings
+from ..config import SCHEMAS_DIR, Settings
+
+
+def utcnow() -> datetime:
+    """Now, in UTC, without a time zone (the catalog's TIMESTAMP columns)."""
+    return datetime.now(timezone.utc).replace(tzinfo=None)
+
 
 __all__ = [
     "CATALOG", "WarehouseMissing", "LegacyWarehouse", "SchemaTooNew", "SchemaTooOld", "CommitFailed", "BadCatalog",
@@ -356,7 +363,7 @@ def schema_version(conn: duckdb.DuckDBPyConnection) -> int:
 
 def apply_migrations(conn: duckdb.DuckDBPyConnection, settings: Settings, folder: Path | None = None) -> list[int]:
     """Apply, in order and each in its own transaction, the migrations newer than the warehouse."""
-    from . import __version__
+    from .. import __version__
 
     applied = []
     for m in migrations(folder):

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .config import Settings
+from ..config import Settings
 
 __all__ = ["S3Url", "is_s3", "client", "put_if_absent", "upload_file_if_absent", "exists", "get_bytes",
            "open_stream", "list_keys", "size", "put_bytes", "PART_SIZE"]

@@ -28,10 +28,11 @@ from urllib.parse import quote
 
 import duckdb
 
-from . import runstate, validate
-from . import warehouse as warehouse_mod
-from .config import Settings
-from .names import BadRunId, check_run_id
+from ..config import Settings
+from ..lake import runstate
+from ..lake import warehouse as warehouse_mod
+from ..names import BadRunId, check_run_id
+from ..stages import validate
 
 __all__ = ["VERDICT_RULES", "Verdict", "verdict", "recent_runs", "write_report", "report_run", "NoRuns",
            "RunNotFound"]
@@ -670,7 +671,7 @@ def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
     ctx["warehouse"] = str(settings.warehouse)
     ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir)
     ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    from . import __version__
+    from .. import __version__
 
     ctx["version"] = __version__
     path = out_dir / f"{run_id}.html"
@@ -727,10 +728,9 @@ def _atomic_write(path: Path, text: str) -> None:
 def report_run(where: Settings | str | os.PathLike, run_id: str) -> dict[str, str]:
     """Write a run's report (reading the warehouse read-only), then record its path in
     ``runs.report_path``; what the nightly DAG's report task returns."""
-    from .ingest import record_report
 
     settings = warehouse_mod.settings_for(where)
     path = write_report(settings, run_id, settings=settings)
     with warehouse_mod.connect(settings) as conn:
-        record_report(conn, settings, run_id, path)
+        runstate.record_report(conn, settings, run_id, path)
     return {"run_id": run_id, "report_path": str(path)}

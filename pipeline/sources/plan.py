@@ -51,7 +51,7 @@ __all__ = [
     "too_many_failed",
 ]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "featurehouse.toml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "featurehouse.toml"
 DEFAULT_SCHEDULE = "0 3 * * *"
 DEFAULT_MAX_MAP_LENGTH = 1024
 """Airflow's ``[core] max_map_length`` default: a mapped task may expand to at most this many."""
@@ -450,7 +450,7 @@ def ingest_units(chunks_: list[dict[str, Any]], settings=None,
     are disjoint, so their ingests can load at once on any workers. Export files are packed
     several to a unit when there would be more than ``max_map_length`` units.
     """
-    from .fetch import manifest_path, read_manifest
+    from .manifest import manifest_path, read_manifest
 
     units: list[dict[str, Any]] = []
     exports: list[list[str]] = []

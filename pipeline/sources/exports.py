@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from xml.etree import ElementTree
 
-from .land import Where, publish_file, scratch_dir
+from ..lake.landing import Where, publish_file, scratch_dir
 
 __all__ = [
     "ExportObject",

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import duckdb
 
+from ..config import Settings
 from . import warehouse
-from .config import Settings
-from .land import landed_path
+from .landing import landed_path
 
 __all__ = ["LegacyMigrationError", "LEGACY_TABLES", "migrate_file"]
 

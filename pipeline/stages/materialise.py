@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass
 
 import duckdb
 
-from .config import SCHEMAS_DIR, Settings
-from .warehouse import CATALOG, transaction
+from ..config import SCHEMAS_DIR, Settings
+from ..lake.warehouse import CATALOG, transaction
 
 __all__ = ["EXCERPT", "MaterialiseResult", "excerpt_columns", "excerpt_from", "refresh", "refresh_changed",
            "refresh_run"]
@@ -182,7 +182,7 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
 
 def refresh_run(where: Settings | str, run_id: str | None = None) -> MaterialiseResult:
     """Open the warehouse (Settings or folder) and :func:`refresh` a run's features (or all)."""
-    from . import warehouse
+    from ..lake import warehouse
 
     settings = warehouse.settings_for(where)
     with warehouse.connect(settings) as conn:

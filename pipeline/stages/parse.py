@@ -26,7 +26,7 @@ try:  # ISA-L's gzip: the same format checks, twice as fast (a many-GB export ba
     from isal import igzip as _igzip
 except ImportError:  # pragma: no cover - a dependency; the standard library still works
     _igzip = None
-from .config import SCHEMAS_DIR, Settings
+from ..config import SCHEMAS_DIR, Settings
 from .records import (
     FEATURE_EXTRA_FIELDS,
     Activation,

@@ -21,10 +21,9 @@ from datetime import timedelta
 
 import duckdb
 
+from ..config import Settings
 from . import warehouse
-from .config import Settings
-from .load import utcnow
-from .warehouse import CATALOG
+from .warehouse import CATALOG, utcnow
 
 __all__ = ["MaintenanceResult", "maintain", "count_files"]
 

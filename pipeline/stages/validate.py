@@ -24,7 +24,7 @@ from urllib.parse import unquote, urlparse
 
 import duckdb
 
-from .config import SCHEMAS_DIR
+from ..config import SCHEMAS_DIR
 from .materialise import EXCERPT, excerpt_columns
 
 __all__ = [

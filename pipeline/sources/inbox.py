@@ -16,9 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import warehouse
-from .config import Settings
-from .ingest import ingest, new_run_id
+from ..config import Settings
+from ..ingest import ingest, new_run_id
+from ..lake import warehouse
 
 __all__ = ["DONE_DIR", "DrainResult", "drain_inbox", "pending_files"]
 

@@ -1,0 +1,105 @@
+"""The README answers first and the manual in docs/ holds together: every relative link resolves.
+
+Pure Python, no pipeline import: links (``[text](target)``, ``![alt](target)``) outside code,
+to files relative to the page, and ``#anchors`` to a heading of the page they name (GitHub's
+slug rule).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, *DOCS]
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+CODE_SPAN = re.compile(r"(`+).*?\1")
+LINK = re.compile(r"\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
+HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # http:, https:, mailto:, ...
+
+
+def _prose_lines(path: Path) -> list[str]:
+    """The page's lines outside fenced code blocks."""
+    lines, in_code = [], False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+            continue
+        if not in_code:
+            lines.append(line)
+    return lines
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation but hyphens and spaces dropped,
+    spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in _prose_lines(path):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(path: Path) -> list[str]:
+    out = []
+    for line in _prose_lines(path):
+        out.extend(LINK.findall(CODE_SPAN.sub("", line)))
+    return out
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        if not target or EXTERNAL.match(target):
+            continue
+        file_part, _, fragment = target.partition("#")
+        dest = page if not file_part else (page.parent / file_part).resolve()
+        if not dest.exists():
+            broken.append(f"{target}: no such file {dest}")
+        elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+            broken.append(f"{target}: no heading #{fragment} in {_rel(dest)}")
+    assert not broken, f"{_rel(page)} has broken links:\n  " + "\n  ".join(broken)
+
+
+def test_readme_answers_first():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250, "README.md is over 250 lines: move the detail into docs/"
+    assert "make run" in text and "make test" in text
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    linked = {(README.parent / t.partition("#")[0]).resolve()
+              for t in links(README) if t and not EXTERNAL.match(t) and not t.startswith("#")}
+    assert DOCS, "docs/ holds no page"
+    unlinked = [_rel(p) for p in DOCS if p.resolve() not in linked]
+    assert not unlinked, f"docs pages not linked from README.md: {unlinked}"
+
+
+def test_the_slug_rule():
+    assert slug("What to fetch: `featurehouse.toml`") == "what-to-fetch-featurehousetoml"
+    assert slug("With Docker: `make up`") == "with-docker-make-up"
+    assert slug("Two roads in") == "two-roads-in"
+    assert slug("What `--batches A:B` selects") == "what---batches-ab-selects"
