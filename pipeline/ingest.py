@@ -139,6 +139,10 @@ def _mtime(path: Path | None) -> datetime:
 
 
 class _Run:
+    """One run's inputs through the stages. ``take`` receives an input: land → new? → route
+    (which road reads it). ``flush`` takes a batch through read → stage → validate → load, each
+    a method of its own; ``_record_seen`` commits a batch of inputs seen before."""
+
     def __init__(self, conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
                  reprocess: bool, materialise: bool = True, source_stats: bool = True):
         self.conn = conn
@@ -169,6 +173,8 @@ class _Run:
         self._stored: Future | None = None
 
     def flush(self, batch: _Batch) -> None:
+        """The batch through the stages: read (DuckDB, or Python for what DuckDB cannot read) →
+        stage → validate → load, one commit."""
         if not len(batch):
             return
         if not (batch.inputs or batch.fast or any(batch.exports.values())):
@@ -177,33 +183,46 @@ class _Run:
             self._record_seen(batch)
             return
         self.batch_no += 1
-        conn, s, now = self.conn, self.summary, utcnow()
-
+        now = utcnow()
         if self.batch_no % PART_BATCHES == 1:
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too.
             threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
-        # DuckDB reads API-JSON pages; one it cannot read cleanly takes the Python road, which
-        # parses it or refuses it with a precise reason.
-        fast_ok = stage.read_api_json(conn, [(landed.sha256, self._local(landed)) for landed in batch.fast])
+        self._read_pages(batch)
+        self._read_exports(batch)
+        self._stage(batch)
+        try:
+            superseded = claim_captures(self.conn)
+            outcome = self._validate(now)
+            self._load(batch, outcome, superseded, now)
+        finally:
+            stage.drop(self.conn)
+            self._clear_scratch()  # after the load: quarantined records are cut out of these copies
+
+    def _read_pages(self, batch: _Batch) -> None:
+        """DuckDB reads one-line API-JSON pages; one it cannot read cleanly takes the Python road,
+        which parses it or refuses it with a precise reason."""
+        fast_ok = stage.read_api_json(self.conn, [(landed.sha256, self._local(landed)) for landed in batch.fast])
         for landed in batch.fast:
             if landed.sha256 in fast_ok:
-                s.n_loaded += 1
+                self.summary.n_loaded += 1
                 batch.inputs.append((landed, "api_json", None))
             else:
                 self._parse(batch, replace(landed, data=landed.data or read_landed(landed.path)))
-        # Export files never take the Python road, which would hold a whole (many-GB) file in
-        # memory: a line that is not a JSON object is quarantined and the rest of its file loads.
+
+    def _read_exports(self, batch: _Batch) -> None:
+        """Export files never take the Python road, which would hold a whole (many-GB) file in
+        memory: a line that is not a JSON object is quarantined and the rest of its file loads."""
         exports = stage.read_exports(
-            conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
-                   for t, group in batch.exports.items()}
+            self.conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
+                        for t, group in batch.exports.items()}
         )
         for table, group in batch.exports.items():
             for landed in group:
                 if landed.sha256 in exports.refused:
                     self._reject(batch, landed, "gzip+export_jsonl", exports.refused[landed.sha256])
                     continue
-                s.n_loaded += 1
+                self.summary.n_loaded += 1
                 batch.inputs.append((landed, "gzip+export_jsonl", None))
                 batch.bad_lines.extend(
                     {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
@@ -212,34 +231,35 @@ class _Run:
                      "record_json": orjson.dumps(bad.text).decode()}
                     for bad in exports.bad_lines.get(landed.sha256, ())
                 )
+
+    def _stage(self, batch: _Batch) -> None:
+        """Records parsed in Python join what DuckDB read in the staging tables; the batch's
+        inputs (with their capture times) become ``batch_inputs``."""
         records: dict[str, list[tuple[str, Any]]] = {t: [] for t in stage.STAGED_TABLES}
         for sha, p in batch.parsed:
             for table in records:
                 records[table].extend((sha, r) for r in getattr(p, table))
         batch.parsed.clear()
-        stage.stage_parsed(conn, records)
+        stage.stage_parsed(self.conn, records)
         del records
-        stage.create_views(conn)
+        stage.create_views(self.conn)
+        loaded_inputs = [(landed, fmt) for landed, fmt, reason in batch.inputs if reason is None]
+        self.conn.register("_batch_inputs", pa.table({
+            "input_sha256": pa.array([landed.sha256 for landed, _ in loaded_inputs], pa.string()),
+            "captured_at": pa.array([self.captured.get(landed.sha256) for landed, _ in loaded_inputs],
+                                    pa.timestamp("us")),
+            "is_page": pa.array([not fmt.endswith("export_jsonl") for _, fmt in loaded_inputs], pa.bool_()),
+        }))
+        self.conn.execute("CREATE OR REPLACE TEMP TABLE batch_inputs AS SELECT * FROM _batch_inputs")
+        self.conn.unregister("_batch_inputs")
 
-        try:
-            loaded_inputs = [(landed, fmt) for landed, fmt, reason in batch.inputs if reason is None]
-            conn.register("_batch_inputs", pa.table({
-                "input_sha256": pa.array([landed.sha256 for landed, _ in loaded_inputs], pa.string()),
-                "captured_at": pa.array([self.captured.get(landed.sha256) for landed, _ in loaded_inputs],
-                                        pa.timestamp("us")),
-                "is_page": pa.array([not fmt.endswith("export_jsonl") for _, fmt in loaded_inputs], pa.bool_()),
-            }))
-            conn.execute("CREATE OR REPLACE TEMP TABLE batch_inputs AS SELECT * FROM _batch_inputs")
-            conn.unregister("_batch_inputs")
-            # Rival captures of a feature in this batch: the newest loads, the others are
-            # superseded before validation (so they are not refused as duplicates).
-            superseded = claim_captures(conn)
-            outcome = validate.validate_batch(conn, {t: None for t in _DATA_TABLES})
-            self._store_results(self.batch_no, now, outcome)
-            self._load(batch, outcome, superseded, now)
-        finally:
-            stage.drop(conn)
-            self._clear_scratch()  # after the load: quarantined records are cut out of these copies
+    def _validate(self, now: datetime) -> validate.ValidationOutcome:
+        """Great Expectations judges the staged batch (rival captures of a feature were already
+        settled by ``claim_captures``: the newest loads, the others are superseded, not refused
+        as duplicates); its results are stored for the Data Docs beside the load."""
+        outcome = validate.validate_batch(self.conn, {t: None for t in _DATA_TABLES})
+        self._store_results(self.batch_no, now, outcome)
+        return outcome
 
     def _store_results(self, batch_no: int, now: datetime, outcome: validate.ValidationOutcome) -> None:
         """Store the batch's Great Expectations results for its Data Docs, in a thread: seconds
@@ -267,16 +287,16 @@ class _Run:
         """Commit the run_inputs rows of a batch of inputs all landed before, and the run's counts."""
         s, run_id = self.summary, self.summary.run_id
 
-        def body(conn: duckdb.DuckDBPyConnection) -> None:
+        def body(conn: duckdb.DuckDBPyConnection) -> dict[str, float]:
             insert_rows(conn, "run_inputs", batch.run_inputs)
             counts = {c: getattr(s, c) for c in COUNTERS} | s.sync_commit_stats()
-            conn.execute(
-                "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
-                counts | {"run_id": run_id},
-            )
+            write_counts(conn, s, counts)  # a part adds its own; never overwrites the other parts'
+            return counts
 
-        warehouse.transaction(self.conn, self.settings, body, message=f"run {run_id} inputs seen before",
-                              extra={"run_id": run_id}, stats=s.stats)
+        counts = warehouse.transaction(self.conn, self.settings, body, message=f"run {run_id} inputs seen before",
+                                       extra={"run_id": run_id}, stats=s.stats)
+        if s.part is not None:
+            s.written = counts
 
     def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, superseded: list[dict], now) -> None:
         """Commit the batch: one transaction, one snapshot, under the commit lock, retried whole
@@ -362,12 +382,21 @@ class _Run:
             setattr(s, c, getattr(s, c) + n)
 
     def take(self, item: Input, batch: _Batch) -> None:
+        """Receive one input: land it, then route it to the road that reads it (or skip it as
+        seen before)."""
+        landed = self._land(item)
+        if landed is None or not self._is_new(item, landed, batch):
+            return
+        self._route(landed, batch)
+
+    def _land(self, item: Input) -> Landed | None:
+        """The input's bytes in the landing area, or None when nothing could be read (refused)."""
         s = self.summary
         try:
             if item.data is None and item.path is not None and not stat.S_ISREG(os.stat(item.path).st_mode):
                 # a named pipe would block the run for ever; a socket or device is no page
                 raise _Unreadable("it is not a regular file (a named pipe, socket or device); nothing was read")
-            landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
+            return land(item, self.settings.landing_root, self.settings.max_input_bytes)
         except (OSError, _Unreadable) as exc:
             # Nothing could be read, so nothing lands: the input is refused here, and the run goes on.
             reason = str(exc) if isinstance(exc, _Unreadable) else f"it could not be read: {exc.strerror or exc}"
@@ -377,19 +406,28 @@ class _Run:
             s.n_received += 1
             s.n_rejected += 1
             s.rejected.append({"origin": item.origin, "reason": reason})
-            return
+            return None
+
+    def _is_new(self, item: Input, landed: Landed, batch: _Batch) -> bool:
+        """Count the input as received; False for one this run (or an earlier one) already took."""
+        s = self.summary
         if landed.sha256 in self.seen_before_this_attempt:
-            return  # an earlier attempt of this run already counted and recorded it
+            return False  # an earlier attempt of this run already counted and recorded it
         s.n_received += 1
         self.captured.setdefault(landed.sha256, item.captured_at or _mtime(item.path))
         if (landed.sha256 in self.known and not self.reprocess) or landed.sha256 in self.seen_this_run:
             s.n_duplicates += 1
             batch.run_inputs.append({"run_id": s.run_id, "input_sha256": landed.sha256,
                                      "origin": item.origin, "outcome": "duplicate"})
-            return
+            return False
         self.seen_this_run.add(landed.sha256)
         if landed.sha256 not in self.landed_before:
             s.n_landed += 1
+        return True
+
+    def _route(self, landed: Landed, batch: _Batch) -> None:
+        """Decide once which road reads the input: DuckDB's read of a one-line page, DuckDB's
+        stream of an export batch, a refusal for size, or the Python parser."""
         if landed.data is not None and _duckdb_readable(landed.data):
             # DuckDB reads it from the landing area (from S3, a local copy of the bytes in hand)
             batch.fast.append(landed if is_s3(landed.path) else replace(landed, data=None))
