@@ -25,6 +25,15 @@ META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quaranti
                 "captured_at")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (``make test``) a module's tests stay together on
+    one worker, so its module-scoped fixtures (a warehouse ingested once, an Airflow home) are
+    built once; a test may name a group of its own with ``@pytest.mark.xdist_group``."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
 def _find(obj, key):
     if isinstance(obj, dict):
         if key in obj:

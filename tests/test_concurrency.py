@@ -188,10 +188,18 @@ def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_p
         assert got == want, f"{table} differs after the retried load"
 
 
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory) -> Path:
+    """A warehouse of one run, shared by the read-only commands (each checks it wrote nothing)."""
+    tmp = tmp_path_factory.mktemp("readers")
+    warehouse = tmp / "wh"
+    finish(start_ingest(warehouse, pages(tmp / "in", [5])))
+    return warehouse
+
+
 @pytest.mark.parametrize("command", ["status", "report", "history", "changes"])
-def test_commands_that_only_read_never_write(tmp_path, command):
-    warehouse = tmp_path / "wh"
-    finish(start_ingest(warehouse, pages(tmp_path / "in", [5])))
+def test_commands_that_only_read_never_write(one_run, command):
+    warehouse = one_run
     (before,) = query(warehouse, "SELECT max(snapshot_id) FROM featurehouse.snapshots()")[0]
     (run_id,) = query(warehouse, "SELECT run_id FROM runs")[0]
     args = {"status": ["status"], "report": ["report"], "history": ["history", "gpt-oss-20b/11-resid-post-aa/5"],
