@@ -23,6 +23,7 @@ import pytest
 
 from tests.conftest import SEED_FLIGHT, SEED_NOT_A_PAGE, good_page, query, run_ingest, write
 from tests.formats import to_api_json, to_flight
+from tests.test_flight import reference_bomb
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 BOMB_LIMIT = 16 * 1024 * 1024
@@ -71,6 +72,9 @@ CASES = {
     "truncated_flight_capture": (_SEED[: len(_SEED) // 2], ["truncated"]),
     "flight_without_initial_neuron": (b'0:["$","div",null,{"children":"hello"}]\n', ["initialNeuron", "not a feature page"]),
     "html_without_flight": (b"<!DOCTYPE html><html><body>Neuronpedia</body></html>", ["HTML", "not a saved feature page"]),
+    # 35 rows, each referring twice to the one before: 2 ** 35 values (4.3 GB, then SIGSEGV)
+    "flight_reference_bomb": (reference_bomb(35), ["references expand", "limit", "reference bomb"]),
+    "html_reference_bomb": (reference_bomb(35, html=True), ["references expand", "limit", "reference bomb"]),
 }
 
 

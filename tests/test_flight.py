@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.stages import flight
-from tests.conftest import SEED_FLIGHT
-from tests.formats import UNDEFINED, FlightWriter, to_html
+from tests.conftest import SEED_FLIGHT, good_page
+from tests.formats import UNDEFINED, FlightWriter, to_flight, to_html
 
 
 def test_t_row_length_is_utf8_bytes_and_no_newline_follows():
@@ -165,3 +165,35 @@ def test_visible_text_that_looks_like_a_row_is_not_data():
 def test_a_bad_row_before_any_visible_text_is_still_an_error():
     with pytest.raises(flight.FlightError, match="row 1 is not valid JSON"):
         flight.parse_rows(b'1:{"a": oops}\n2:["ok"]\n')
+
+
+# --- reference bombs (issue 17, item 6) ---------------------------------------------------
+
+
+def reference_bomb(n_rows: int, *, html: bool = False) -> bytes:
+    """A good page's flight text (or saved HTML) whose first activation's ``logitContributions``
+    refers to the last of ``n_rows`` rows, each holding two references to the row before it:
+    a few KB of text that expands to 2 ** n_rows values."""
+    page = good_page(8)
+    page["activations"][0]["logitContributions"] = "BOMB-REFERENCE"
+    chain = [b'f00:["tok","tok"]\n'] + [
+        f'{0xF00 + i:x}:["${0xF00 + i - 1:x}","${0xF00 + i - 1:x}"]\n'.encode() for i in range(1, n_rows)
+    ]
+    text = b"".join(chain) + to_flight(page, outline=0.0)
+    text = text.replace(b'"BOMB-REFERENCE"', f'"${0xF00 + n_rows - 1:x}"'.encode(), 1)
+    return to_html(text) if html else text
+
+
+def test_a_reference_bomb_is_refused_before_it_is_expanded():
+    """35 rows referring each to the one before twice: 2 ** 35 values from a few KB of text."""
+    rows = flight.parse_rows(reference_bomb(35))
+    with pytest.raises(flight.FlightError, match="references expand"):
+        flight.find_key(rows, "initialNeuron")
+
+
+def test_references_that_share_a_row_within_the_bound_still_resolve():
+    """A row referred to a few times (React outlines shared objects) is not a bomb."""
+    data = b'1:{"name":"shared","n":[1,2,3]}\n0:{"initialNeuron":{"a":"$1","b":"$1","c":["$1","$1:n"]}}\n'
+    found, page = flight.find_key(flight.parse_rows(data), "initialNeuron")
+    assert found and page["a"] == page["b"] == page["c"][0] == {"name": "shared", "n": [1, 2, 3]}
+    assert page["c"][1] == [1, 2, 3]

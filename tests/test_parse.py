@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import tracemalloc
 from datetime import datetime
 
 import orjson
 import pytest
 
+from pipeline.config import Settings
 from pipeline.stages.parse import Rejected, parse_bytes
 from pipeline.stages.records import InputFormat
 from tests.conftest import SEED_FLIGHT, good_page
 from tests.formats import gz, to_api_json, to_flight, to_html
+from tests.test_flight import reference_bomb
 
 
 def test_seed_capture_parses_to_the_records_it_holds(seed_page):
@@ -125,3 +129,33 @@ def test_html_with_the_real_next_js_bootstrap():
     html = to_html(to_flight(page)).replace(b"<script>self.__next_f.push([0])</script>",
                                             b"<script>(self.__next_f=self.__next_f||[]).push([0])</script>")
     assert parse_bytes(html).format == InputFormat.HTML and len(parse_bytes(html).activations) == 3
+
+
+@pytest.mark.parametrize("html", [False, True], ids=["flight", "html"])
+@pytest.mark.parametrize("n_rows", [22, 35])
+def test_a_reference_bomb_is_refused_quickly_in_small_memory(n_rows, html):
+    """Issue 17, item 6: 35 rows each referring twice to the row before expanded to 2 ** 34
+    values (4.3 GB, then SIGSEGV); 22 rows put a 33-million-character logitContributions into
+    the warehouse. The expansion is bounded: refused, naming the limit, in milliseconds."""
+    data = reference_bomb(n_rows, html=html)
+    assert len(data) < 20_000
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(Rejected) as refused:
+            parse_bytes(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    seconds = time.monotonic() - started
+    reason = str(refused.value)
+    assert "references expand" in reason and "limit" in reason and "1,048,576" in reason, reason
+    assert seconds < 1.0 and peak < 16 << 20, (seconds, peak)
+
+
+def test_the_expansion_limit_follows_the_decompressed_size_setting():
+    """A page within the relative bound is still refused past FEATUREHOUSE_MAX_DECOMPRESSED_BYTES."""
+    data = to_flight(good_page())
+    assert parse_bytes(data).features
+    with pytest.raises(Rejected, match="FEATUREHOUSE_MAX_DECOMPRESSED_BYTES"):
+        parse_bytes(data, Settings(max_decompressed_bytes=100))

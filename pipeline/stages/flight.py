@@ -19,11 +19,39 @@ from typing import Any
 
 import orjson
 
-__all__ = ["FlightError", "parse_rows", "decode", "find_key", "html_to_flight", "looks_like_flight"]
+__all__ = [
+    "FlightError", "ExpansionError", "Rows", "parse_rows", "decode", "find_key", "expansion_limit",
+    "html_to_flight", "looks_like_flight", "MAX_EXPANSION", "MIN_EXPANSION_LIMIT",
+]
 
 
 class FlightError(ValueError):
     "The flight text is malformed; the message says where."
+
+
+class ExpansionError(FlightError):
+    "Row references expand the text past its limit (a reference bomb)."
+
+
+#: A decoded value may hold at most this many times as many values and characters as the text
+#: has bytes. Without references a value holds fewer than its text's bytes (each value, key
+#: character and string character takes at least one byte), so only references that repeat a row
+#: can reach it: 35 rows each referring twice to the one before expand to 2 ** 35 values.
+MAX_EXPANSION = 4
+#: ... and at least this many, whatever the text's size.
+MIN_EXPANSION_LIMIT = 1 << 20
+
+
+class Rows(dict):
+    """A flight text's rows by id (what :func:`parse_rows` returns), and the text's size, which
+    bounds how far references may expand what is decoded from them."""
+
+    n_bytes: int = 0
+
+
+def expansion_limit(rows: dict[str, Any]) -> int:
+    """How many values and characters a value decoded from ``rows`` may hold written out in full."""
+    return max(MAX_EXPANSION * getattr(rows, "n_bytes", 0), MIN_EXPANSION_LIMIT)
 
 
 _ROW_ID = re.compile(rb"([0-9a-fA-F]{1,8}):")
@@ -32,6 +60,7 @@ _HEX = re.compile(r"[0-9a-f]+")
 _LENGTH_PREFIXED = frozenset(b"TABOoUSsLlGgMmV")
 _JSON_START = frozenset(b'[{"-0123456789tfn')
 _UNDEFINED = object()
+_SCALARS = frozenset({int, float, bool, type(None), datetime})
 
 
 def looks_like_flight(data: bytes) -> bool:
@@ -40,13 +69,14 @@ def looks_like_flight(data: bytes) -> bool:
     return bool(m) and len(data) > m.end()
 
 
-def parse_rows(data: bytes) -> dict[str, Any]:
+def parse_rows(data: bytes) -> Rows:
     """Split flight bytes into ``{row id: raw value}``; JSON rows are parsed, T rows are text.
 
     Lines that are not rows (a captured page's visible text follows its rows) are skipped.
     Tagged non-data rows (imports, hints, errors) are kept as ``("tag", payload)`` tuples.
     """
-    rows: dict[str, Any] = {}
+    rows = Rows()
+    rows.n_bytes = len(data)
     pos, n = 0, len(data)
     in_text = False  # past the rows, in a captured page's visible text
     if data.startswith(b"\xef\xbb\xbf"):
@@ -185,23 +215,69 @@ class _Resolver:
         return v
 
 
-def decode(rows: dict[str, Any], value: Any) -> Any:
-    """Resolve every ``$`` encoding and row reference inside ``value``."""
-    return _Resolver(rows).value(value)
+def _check_expansion(value: Any, limit: int) -> None:
+    """Raise :class:`ExpansionError` when ``value`` written out in full (each row as often as it
+    is referred to) holds more than ``limit`` values and characters.
+
+    The decoder shares one object among all references to a row, so decoding costs no more
+    than the text; what reads the value next (the schema check, the records, JSON dumps of
+    ``logitContributions``) walks every reference. This counts each distinct object once
+    (memoised by identity), so a bomb is measured in a few steps per row, before anything
+    expands it.
+    """
+    sizes: dict[int, int] = {}  # a list's or dict's size, by identity
+
+    def size(v: Any) -> int:
+        t = type(v)
+        if t is str:
+            n = 1 + len(v)
+        elif t is not list and t is not dict:
+            return 1
+        elif (n := sizes.get(id(v), -1)) >= 0:
+            return n
+        else:
+            items = v if t is list else v.values()
+            kinds = set(map(type, items))  # token and value lists are read in C, not item by item
+            if kinds <= _SCALARS:
+                n = 1 + len(v)
+            elif kinds <= _SCALARS | {str}:
+                n = 1 + len(v) + (sum(map(len, items)) if kinds == {str} else sum(len(x) for x in items if type(x) is str))
+            else:
+                n = 1 + sum(map(size, items))
+            if t is dict:
+                n += sum(map(len, v))  # the keys' characters
+            sizes[id(v)] = n
+        if n > limit:
+            raise ExpansionError(f"row references expand the page to more than {limit:,} values and characters")
+        return n
+
+    size(value)
 
 
-def find_key(rows: dict[str, Any], key: str) -> tuple[bool, Any]:
+def decode(rows: dict[str, Any], value: Any, *, max_units: int | None = None) -> Any:
+    """Resolve every ``$`` encoding and row reference inside ``value``.
+
+    Raises :class:`ExpansionError` when the result, written out in full, would hold more than
+    ``max_units`` values and characters (by default :func:`expansion_limit` of ``rows``).
+    """
+    out = _Resolver(rows).value(value)
+    _check_expansion(out, expansion_limit(rows) if max_units is None else max_units)
+    return out
+
+
+def find_key(rows: dict[str, Any], key: str, *, max_units: int | None = None) -> tuple[bool, Any]:
     """Find the first object property named ``key`` in any row, and decode its value.
 
     Every data row is searched in order, depth first, so the key is found wherever the page
-    nests it, not at a fixed position. Returns ``(found, decoded value)``.
+    nests it, not at a fixed position. Returns ``(found, decoded value)``. The value's
+    expansion is bounded as :func:`decode` bounds it.
     """
     stack: list[Any] = [v for v in reversed(list(rows.values())) if not isinstance(v, tuple)]
     while stack:
         v = stack.pop()
         if type(v) is dict:
             if key in v:
-                val = _Resolver(rows).value(v[key])
+                val = decode(rows, v[key], max_units=max_units)
                 return True, (None if val is _UNDEFINED else val)
             stack.extend(x for x in reversed(list(v.values())) if type(x) in (dict, list))
         elif type(v) is list:
