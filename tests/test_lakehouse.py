@@ -201,7 +201,8 @@ def test_shell_opens_the_duckdb_cli_read_only(tmp_path):
     assert "read-only" in r.stderr.lower()
     assert query(warehouse, "SELECT count(*) FROM activations") == [(39,)]
     printed = fh("shell", "--print", "--warehouse", str(warehouse)).stdout
-    assert f"ATTACH 'ducklake:sqlite:{warehouse.absolute()}/catalog.sqlite' AS featurehouse (READ_ONLY);" in printed
+    assert (f"ATTACH 'ducklake:sqlite:{warehouse.absolute()}/catalog.sqlite' AS featurehouse (READ_ONLY, "
+            f"DATA_PATH '{warehouse.absolute()}/data/', OVERRIDE_DATA_PATH true);") in printed
 
 
 # --- a PostgreSQL catalog -----------------------------------------------------------------------

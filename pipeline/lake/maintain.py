@@ -10,11 +10,18 @@ this order, each step its own commit under the warehouse's commit lock:
    captures leave deletions behind);
 4. delete the files no snapshot references any more, and orphaned files, once they are older
    than a grace period (a reader that started before may still be reading them).
+
+It never deletes a file outside the warehouse's own data folder: the data path the lake is open
+with must be the one the warehouse's settings and folder resolve to (a copied folder's catalog
+records the original's), and every file DuckLake would delete is listed first (a dry run, under
+the commit lock) and must lie under it; otherwise nothing is deleted and
+:class:`MaintenanceRefused` says why.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -25,9 +32,13 @@ from ..config import Settings
 from . import warehouse
 from .warehouse import CATALOG, utcnow
 
-__all__ = ["MaintenanceResult", "maintain", "count_files"]
+__all__ = ["MaintenanceResult", "MaintenanceRefused", "maintain", "count_files"]
 
 log = logging.getLogger("featurehouse")
+
+
+class MaintenanceRefused(RuntimeError):
+    "Maintenance would have deleted or written files outside the warehouse's own data folder."
 
 
 @dataclass(frozen=True)
@@ -51,7 +62,7 @@ class MaintenanceResult:
 
 def count_files(conn: duckdb.DuckDBPyConnection) -> tuple[int, int]:
     """Parquet files (data and deletes) under the data path, and their bytes."""
-    (path,) = conn.execute(f"SELECT value FROM {CATALOG}.options() WHERE option_name = 'data_path'").fetchone()
+    path = warehouse.data_path(conn)
     n, size = conn.execute(
         "SELECT count(*), coalesce(sum(size), 0) FROM read_blob($glob)", {"glob": path.rstrip("/") + "/**/*.parquet"}
     ).fetchone()
@@ -63,6 +74,49 @@ def _inlined_rows(conn) -> int:
     meta = f"__ducklake_metadata_{CATALOG}"
     tables = [t for (t,) in conn.execute(f"SELECT table_name FROM {meta}.ducklake_inlined_data_tables").fetchall()]
     return sum(conn.execute(f'SELECT count(*) FROM {meta}."{t}"').fetchone()[0] for t in tables)
+
+
+def _under(path: str, root: str) -> bool:
+    """Whether ``path`` lies in the folder (or S3 prefix) ``root``, symbolic links resolved."""
+    if "://" in root or "://" in path:
+        return path.startswith(root.rstrip("/") + "/")
+    return os.path.realpath(path).startswith(os.path.realpath(root).rstrip("/") + "/")
+
+
+def _same_place(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _check_data_path(settings: Settings, conn: duckdb.DuckDBPyConnection) -> str:
+    """The data path the lake is open with, if it is the warehouse's own; else refuse."""
+    root = warehouse.data_path(conn)
+    own = warehouse.resolved_data_path(settings)
+    if own is not None and not _same_place(root, own):
+        raise MaintenanceRefused(
+            f"the warehouse at {settings.warehouse} keeps its data files in {own}, but its lake is open on {root}: "
+            "maintenance would merge and delete files there, so it did nothing")
+    return root
+
+
+def _step(function: str, args: str, params: dict, root: str, *, deletes: bool):
+    """One maintenance call as a transaction body. A deleting one lists the files DuckLake would
+    delete first (a dry run, in the same transaction, under the commit lock) and deletes nothing
+    unless every one is under ``root``."""
+    call = f"CALL {function}('{CATALOG}'{args})"
+
+    def body(c: duckdb.DuckDBPyConnection) -> None:
+        if deletes:
+            listed = c.execute(f"SELECT path FROM {function}('{CATALOG}'{args}, dry_run => true)", params).fetchall()
+            outside = [p for (p,) in listed if not _under(p, root)]
+            if outside:
+                raise MaintenanceRefused(
+                    f"maintenance would delete {len(outside)} file(s) outside the warehouse's data folder {root} "
+                    f"(e.g. {outside[0]}); it deleted nothing")
+        c.execute(call, params)
+
+    return body
 
 
 def maintain(settings: Settings, *, retention_days: float | None = None,
@@ -80,23 +134,19 @@ def maintain(settings: Settings, *, retention_days: float | None = None,
         # Flushing inlined rows drops the catalog tables that held them under any reader whose
         # snapshot still reads them; since migration 0003 nothing is inlined, so only a warehouse
         # that inlined rows before it is flushed, once.
-        steps = [("flush inlined data", f"CALL ducklake_flush_inlined_data('{CATALOG}')", {})] if _inlined_rows(conn) else []
+        root = _check_data_path(settings, conn)
+        older = " older_than => $t::TIMESTAMP AT TIME ZONE 'UTC'"
+        steps = [("flush inlined data", "ducklake_flush_inlined_data", "", {}, False)] if _inlined_rows(conn) else []
         steps += [
-            ("expire snapshots",
-             f"CALL ducklake_expire_snapshots('{CATALOG}', older_than => $t::TIMESTAMP AT TIME ZONE 'UTC')",
-             {"t": now - timedelta(days=days)}),
-            ("merge adjacent files", f"CALL ducklake_merge_adjacent_files('{CATALOG}')", {}),
-            ("rewrite files with deletions", f"CALL ducklake_rewrite_data_files('{CATALOG}')", {}),
-            ("clean up old files",
-             f"CALL ducklake_cleanup_old_files('{CATALOG}', older_than => $t::TIMESTAMP AT TIME ZONE 'UTC')",
-             {"t": now - grace}),
-            ("delete orphaned files",
-             f"CALL ducklake_delete_orphaned_files('{CATALOG}', older_than => $t::TIMESTAMP AT TIME ZONE 'UTC')",
-             {"t": now - grace}),
+            ("expire snapshots", "ducklake_expire_snapshots", "," + older, {"t": now - timedelta(days=days)}, False),
+            ("merge adjacent files", "ducklake_merge_adjacent_files", "", {}, False),
+            ("rewrite files with deletions", "ducklake_rewrite_data_files", "", {}, False),
+            ("clean up old files", "ducklake_cleanup_old_files", "," + older, {"t": now - grace}, True),
+            ("delete orphaned files", "ducklake_delete_orphaned_files", "," + older, {"t": now - grace}, True),
         ]
-        for what, sql, params in steps:
+        for what, function, args, params, deletes in steps:
             t0 = time.monotonic()
-            warehouse.transaction(conn, settings, lambda c, sql=sql, params=params: c.execute(sql, params),
+            warehouse.transaction(conn, settings, _step(function, args, params, root, deletes=deletes),
                                   message=f"maintenance: {what}", extra={"maintenance": what})
             log.info("maintenance: %s in %.2fs", what, time.monotonic() - t0)
         after_files, after_bytes = count_files(conn)

@@ -25,6 +25,8 @@ import os
 import random
 import re
 import sqlite3
+import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +50,8 @@ __all__ = [
     "CATALOG", "WarehouseMissing", "LegacyWarehouse", "SchemaTooNew", "SchemaTooOld", "CommitFailed", "BadCatalog",
     "connect", "transaction", "write_lock", "schema_version", "migrations", "latest_version",
     "attach_sql", "extension_path", "settings_for", "sandbox", "apply_migrations", "is_conflict", "CommitStats",
+    "RefusedQuery", "READ_ONLY_HELP", "check_read_only", "open_for_queries", "confine_process", "data_path",
+    "resolved_data_path",
 ]
 
 log = logging.getLogger("featurehouse")
@@ -140,8 +144,9 @@ def _sqlite_file(settings: Settings) -> Path:
     return Path(settings.catalog_url.split(":", 1)[1])
 
 
-def _metadata_exists(settings: Settings) -> bool | None:
-    """For an SQLite catalog, whether its file holds a DuckLake; None for other catalogs.
+def _catalog_state(settings: Settings) -> tuple[bool | None, str | None]:
+    """For an SQLite catalog, whether its file holds a DuckLake, and the data path it records;
+    ``(None, None)`` for other catalogs.
 
     Read through DuckDB's SQLite (its sqlite extension, the one DuckLake uses), never Python's
     sqlite3: two SQLite libraries in one process do not see each other's locks (POSIX locks are
@@ -150,24 +155,95 @@ def _metadata_exists(settings: Settings) -> bool | None:
     half-written ("database disk image is malformed") — threads ingesting at once in one process.
     """
     if settings.catalog_kind != "sqlite":
-        return None
+        return None, None
     path = _sqlite_file(settings)
     if not path.exists():
-        return False
+        return False, None
     if path.stat().st_size == 0:
-        return False  # an empty file is an SQLite database without tables
+        return False, None  # an empty file is an SQLite database without tables
     probe = duckdb.connect(config={"autoinstall_known_extensions": False})
     try:
         probe.execute(f"LOAD '{_q(extension_path('sqlite_scanner'))}'")
         probe.execute(f"ATTACH '{_q(str(path))}' AS catalog_probe (TYPE sqlite, READ_ONLY)")
-        (n,) = probe.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'catalog_probe' "
-                             "AND table_name = 'ducklake_snapshot'").fetchone()
-        return bool(n)
+        tables = {t for (t,) in probe.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = 'catalog_probe' "
+            "AND table_name IN ('ducklake_snapshot', 'ducklake_metadata')").fetchall()}
+        if "ducklake_snapshot" not in tables:
+            return False, None
+        row = probe.execute("SELECT value FROM catalog_probe.ducklake_metadata WHERE key = 'data_path' "
+                            "AND scope IS NULL").fetchone() if "ducklake_metadata" in tables else None
+        return True, (row[0] if row else None)
     except duckdb.Error as exc:
         raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({(str(exc).strip() or type(exc).__name__).splitlines()[0]}); "
                          "restore it from a backup, or move it away to start a new warehouse") from None
     finally:
         probe.close()
+
+
+# --- where the data files are -------------------------------------------------------------------
+#
+# DuckLake records the data path in the catalog as it was given when the lake was made (an
+# absolute path: a relative one would be resolved against the working directory of whoever opens
+# it). A warehouse folder holding its own catalog and data/ must survive `cp -a` and `mv`, so its
+# data path is resolved from the folder being opened, at every open (ATTACH ... DATA_PATH with
+# OVERRIDE_DATA_PATH, which DuckLake does not write back): a copy reads and writes its own files,
+# never the original's, and nothing needs migrating in warehouses made by earlier releases.
+
+
+def _folder_catalog(settings: Settings) -> bool:
+    """Whether the catalog is an SQLite file in the warehouse folder itself (the default)."""
+    return (settings.catalog_kind == "sqlite"
+            and _sqlite_file(settings).absolute().parent.resolve() == settings.warehouse.absolute().resolve())
+
+
+def _is_local(path: str) -> bool:
+    return "://" not in path
+
+
+def _local_dir(path: str) -> str:
+    """A local folder as DuckLake takes a data path: absolute, ending in a slash."""
+    return str(Path(path).absolute()).rstrip("/") + "/"
+
+
+def _data_path_override(settings: Settings, recorded: str | None) -> str | None:
+    """The data path to open the lake with instead of the one its catalog records (``recorded``,
+    None for a new lake or a catalog that was not read); None keeps the recorded one.
+
+    ``FEATUREHOUSE_DATA_PATH`` (``settings.data_path``) always says where the data files are.
+    Otherwise a warehouse whose catalog is in its folder has its data in ``<folder>/data/``
+    wherever the folder now is, when the catalog records a ``.../data/`` folder (what every
+    release made) and this folder has one or the recorded one is gone (a copy or a move). A data
+    folder recorded elsewhere (made with ``FEATUREHOUSE_DATA_PATH`` and opened without it) stands.
+    """
+    if settings.data_path:
+        return _local_dir(settings.data_url) if _is_local(settings.data_url) else settings.data_url
+    if not _folder_catalog(settings):
+        return None
+    own = _local_dir(str(settings.warehouse / "data"))
+    if recorded is None:
+        return own
+    if not _is_local(recorded):
+        return None
+    was = Path(recorded.rstrip("/") or "/")
+    if was.name != "data":
+        return None
+    if _local_dir(recorded) == own or (settings.warehouse / "data").is_dir() or not was.exists():
+        return own
+    return None
+
+
+def resolved_data_path(settings: Settings) -> str | None:
+    """Where this warehouse's data files are, as featurehouse opens it; None when only the
+    catalog knows (a PostgreSQL catalog without ``FEATUREHOUSE_DATA_PATH``)."""
+    _, recorded = _catalog_state(settings)
+    return _data_path_override(settings, recorded) or recorded
+
+
+def data_path(conn: duckdb.DuckDBPyConnection) -> str:
+    """The data path the open lake reads and writes (after any override; ``options()`` shows the
+    recorded one)."""
+    (path,) = conn.execute(f"SELECT data_path FROM ducklake_settings('{CATALOG}')").fetchone()
+    return path
 
 
 def _is_duckdb_file(path: Path) -> bool:
@@ -205,7 +281,7 @@ def _s3_secret(conn: duckdb.DuckDBPyConnection, settings: Settings) -> None:
     conn.execute(sql)
 
 
-def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDBPyConnection:
+def _open(settings: Settings, *, read_only: bool, create: bool, threads: int | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with the warehouse attached as ``featurehouse`` and in use."""
     wh = settings.warehouse
     if wh.is_file():
@@ -216,13 +292,15 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
                 "and quarantine are kept)"
             )
         raise WarehouseMissing(f"{wh} is a file, not a warehouse folder")
-    exists = _metadata_exists(settings)
+    exists, recorded = _catalog_state(settings)
     if exists is False and not create:
         raise WarehouseMissing(f"no warehouse at {wh}: run `featurehouse ingest` (or `fetch`) first")
     config: dict[str, Any] = {"memory_limit": os.environ.get("FEATUREHOUSE_DUCKDB_MEMORY", "1GB")}
     if not read_only:
         # spills go into the warehouse folder, not into the current directory
         config["temp_directory"] = str(wh / ".tmp")
+    if threads is not None:
+        config["threads"] = threads
     config["autoinstall_known_extensions"] = False  # never reach for the network: load from the wheels
     conn = duckdb.connect(config=config)
     try:
@@ -231,8 +309,11 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
         if settings.uses_s3:
             _s3_secret(conn, settings)
         if read_only or exists is True or not create:
-            _attach(conn, settings, ["READ_ONLY"] if read_only else
-                    (["CREATE_IF_NOT_EXISTS false"] if exists is None else []))
+            override = _data_path_override(settings, recorded) if exists is not False else None
+            opts = ["READ_ONLY"] if read_only else (["CREATE_IF_NOT_EXISTS false"] if exists is None else [])
+            if override:
+                opts += [f"DATA_PATH '{_q(override)}'", "OVERRIDE_DATA_PATH true"]
+            _attach(conn, settings, opts)
         else:
             # A new warehouse: made under the commit lock, so that two writers starting at once
             # on an empty folder (or database) make it once.
@@ -240,12 +321,15 @@ def _open(settings: Settings, *, read_only: bool, create: bool) -> duckdb.DuckDB
             if settings.catalog_kind == "sqlite":
                 _sqlite_file(settings).parent.mkdir(parents=True, exist_ok=True)
             with write_lock(settings):
-                if _metadata_exists(settings) is False:
+                exists, recorded = _catalog_state(settings)
+                if exists is False:
                     with contextlib.closing(sqlite3.connect(_sqlite_file(settings))) as db:
                         # WAL: readers never wait for a writer, which holds the catalog while it loads
                         db.execute("PRAGMA journal_mode=WAL")
+                override = _data_path_override(settings, recorded if exists else None)
                 try:
-                    _attach(conn, settings, [f"DATA_PATH '{_q(settings.data_url)}'"])
+                    _attach(conn, settings, [f"DATA_PATH '{_q(override or settings.data_url)}'"]
+                            + (["OVERRIDE_DATA_PATH true"] if override and exists is not False else []))
                 except duckdb.Error as exc:
                     if "does not match existing data path" not in str(exc):
                         raise
@@ -287,17 +371,21 @@ def _redact(url: str) -> str:
 
 
 def connect(where: Settings | str | os.PathLike, *, read_only: bool = False, create: bool = False,
-            migrate: bool = True) -> duckdb.DuckDBPyConnection:
+            migrate: bool = True, threads: int | None = None) -> duckdb.DuckDBPyConnection:
     """Open the warehouse (``where``: Settings, or a warehouse folder).
 
     A read-only connection sees the last committed snapshot of each query and never blocks a
     load. A writable one brings the schema up to date first (under the commit lock). Only
     ``create=True`` (ingest, fetch, migrate) makes a new warehouse; otherwise a missing one
     raises :class:`WarehouseMissing`. Raises :class:`SchemaTooNew` for a warehouse written by a
-    newer featurehouse, and for ``read_only`` :class:`SchemaTooOld` for an older one.
+    newer featurehouse, and for ``read_only`` :class:`SchemaTooOld` for an older one. ``threads``
+    caps DuckDB's worker threads (its default: one per core).
+
+    The data files are looked for where the warehouse folder is now (see ``_data_path_override``):
+    a copied or moved folder reads and writes its own.
     """
     settings = settings_for(where)
-    conn = _open(settings, read_only=read_only, create=create)
+    conn = _open(settings, read_only=read_only, create=create, threads=threads)
     try:
         version = schema_version(conn)
         latest = latest_version()
@@ -548,36 +636,416 @@ def transaction(conn: duckdb.DuckDBPyConnection, settings: Settings, body: Calla
     raise AssertionError("unreachable")
 
 
-def sandbox(conn: duckdb.DuckDBPyConnection) -> None:
-    """Lock a read-only connection down for ad-hoc queries: no file access beyond the
-    warehouse's data files (no COPY TO, no ATTACH, no INSTALL/LOAD of new extensions), and the
-    configuration locked so a query cannot undo it."""
-    (path,) = conn.execute(f"SELECT value FROM {CATALOG}.options() WHERE option_name = 'data_path'").fetchone()
-    conn.execute("SET allowed_directories = $dirs", {"dirs": [path]})
+# --- ad-hoc queries: reads only -------------------------------------------------------------------
+#
+# `featurehouse sql` runs what a user types. Two layers, each enough on its own for what it covers:
+#
+# 1. ``check_read_only``: the statement must be provably a read. DuckDB's own parser serializes
+#    it (``json_serialize_sql`` takes SELECT trees only: COPY, ATTACH, SET, CALL, ... are not
+#    one), and the tree is walked: every table it names is one of the warehouse's (or a CTE, or
+#    a catalog view), every table function is on a short list. A text match cannot tell
+#    ``query('... sqlite' || '_scan ...')`` from a read; the tree can (``query`` is not listed).
+# 2. ``open_for_queries``: the process that runs the query cannot write files at all, except in
+#    a private scratch folder (Linux Landlock, an unprivileged kernel sandbox), and DuckDB's own
+#    file access is limited to the data folder and locked (``sandbox``). So a statement that
+#    slipped past the check (``EXPLAIN ANALYZE COPY ... TO '<a data file>'``) fails to write.
+
+
+class RefusedQuery(PermissionError):
+    "The statement is not provably a read of the warehouse: `featurehouse sql` does not run it."
+
+
+#: DuckLake's read-only functions of the warehouse's catalog: ``featurehouse.snapshots()`` (or
+#: ``snapshots()`` once it is in use), and the same as ``ducklake_snapshots('featurehouse')``.
+_LAKE_READS = ("snapshots", "current_snapshot", "last_committed_snapshot", "table_info", "table_changes",
+               "table_insertions", "table_deletions", "options", "settings")
+
+#: Table functions that only compute, or read the catalogs' descriptions: nothing else is run.
+#: (Not ``query``/``query_table``/``read_*``/scanners, which read what they are given, nor
+#: DuckLake's maintenance functions, which write.)
+_TABLE_FUNCTIONS = frozenset({
+    "range", "generate_series", "unnest", "repeat", "repeat_row", "json_each", "json_tree", "glob",
+    "duckdb_columns", "duckdb_constraints", "duckdb_databases", "duckdb_dependencies", "duckdb_extensions",
+    "duckdb_functions", "duckdb_indexes", "duckdb_keywords", "duckdb_memory", "duckdb_optimizers",
+    "duckdb_schemas", "duckdb_sequences", "duckdb_settings", "duckdb_tables", "duckdb_temporary_files",
+    "duckdb_types", "duckdb_variables", "duckdb_views", "pragma_collations", "pragma_database_size",
+    "pragma_platform", "pragma_show", "pragma_table_info", "pragma_version", "pragma_user_agent",
+    "icu_calendar_names", "pg_timezone_names", "ducklake_list_files",
+    *(f"ducklake_{name}" for name in _LAKE_READS),
+})
+
+#: Scalar functions with an effect beyond their result.
+_SCALAR_REFUSED = frozenset({"write_log"})
+
+#: ``SHOW TABLES`` / ``SHOW DATABASES`` / ``SHOW SCHEMAS`` (what DuckDB's binder expands itself).
+_SHOW_LISTS = frozenset({'"tables"', "__show_tables_expanded", '"databases"', '"schemas"'})
+
+#: Table references a read may hold; anything else (an unknown kind) is refused.
+_TABLE_REFS = frozenset({"BASE_TABLE", "TABLE_FUNCTION", "SUBQUERY", "JOIN", "EXPRESSION_LIST", "EMPTY",
+                         "EMPTY_FROM", "PIVOT", "SHOW_REF"})
+
+READ_ONLY_HELP = (
+    "featurehouse sql is read-only and runs queries only: SELECT / FROM / WITH / VALUES, PIVOT and UNPIVOT, "
+    "DESCRIBE, SHOW, SUMMARIZE, and EXPLAIN [ANALYZE] of those, over the warehouse's tables (and CTEs, "
+    "information_schema and the duckdb_* catalog views), with the table functions "
+    f"{', '.join(n + '()' for n in _LAKE_READS)} (as {CATALOG}.<name>() or ducklake_<name>('{CATALOG}', ...)), "
+    "range, generate_series, unnest, repeat, json_each, json_tree, glob and the duckdb_*/pragma_* listings; "
+    "write results out with --format csv or --format json"
+)
+
+
+def _serialized(conn: duckdb.DuckDBPyConnection, sql: str) -> list[dict] | None:
+    """The statements' trees from DuckDB's parser, or None when they are not all SELECTs."""
+    tree = orjson.loads(conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    return None if tree.get("error") else tree["statements"]
+
+
+def _relations(conn: duckdb.DuckDBPyConnection) -> set[tuple[str, str, str]]:
+    """(database, schema, name) of every table and view attached: the warehouse's tables, its
+    catalog's, and DuckDB's information_schema / pg_catalog / duckdb_* views."""
+    rows = conn.execute("SELECT database_name, schema_name, table_name FROM duckdb_tables() UNION ALL "
+                        "SELECT database_name, schema_name, view_name FROM duckdb_views()").fetchall()
+    return {(d.lower(), s.lower(), n.lower()) for d, s, n in rows}
+
+
+def _is_relation(known: set[tuple[str, str, str]], catalog: str, schema: str, name: str) -> bool:
+    if catalog:
+        return (catalog, schema or "main", name) in known
+    if schema:  # schema.name, or catalog.name
+        return any(s == schema and d in (CATALOG, "system", "temp") for d, s, n in known if n == name) \
+            or (schema, "main", name) in known
+    return any(d in (CATALOG, "system", "temp") and s in ("main", "pg_catalog") for d, s, n in known if n == name)
+
+
+def _refused_in(tree: Any, known: set[tuple[str, str, str]], ctes: frozenset[str] = frozenset()) -> str | None:
+    """What in a serialized statement is not a read (a table function off the list, a name that
+    is not a table, ...), or None."""
+    if isinstance(tree, list):
+        for item in tree:
+            if found := _refused_in(item, known, ctes):
+                return found
+        return None
+    if not isinstance(tree, dict):
+        return None
+    if isinstance(tree.get("cte_map"), dict):
+        ctes = ctes | {entry["key"].lower() for entry in tree["cte_map"].get("map", [])}
+    kind = tree.get("type")
+    if "class" in tree:  # an expression
+        if tree["class"] == "FUNCTION" and tree.get("function_name", "").lower() in _SCALAR_REFUSED:
+            return f"the function {tree['function_name']}()"
+    elif "alias" in tree and "sample" in tree:  # a table reference
+        if kind not in _TABLE_REFS:
+            return f"a {kind} table reference"
+        if kind == "TABLE_FUNCTION":
+            fn = tree["function"]
+            name = fn.get("function_name", "").lower()
+            where = tuple(x.lower() for x in (fn.get("catalog", ""), fn.get("schema", "")) if x)
+            if name in _LAKE_READS and where in ((), (CATALOG,), (CATALOG, "main")):
+                pass
+            elif name in _TABLE_FUNCTIONS and set(where) <= {"system", "main"}:
+                pass
+            else:
+                return f"the table function {'.'.join((*where, name))}()"
+        elif kind == "BASE_TABLE":
+            catalog, schema, name = (tree.get(k, "").lower() for k in ("catalog_name", "schema_name", "table_name"))
+            if not (catalog or schema) and name in ctes:
+                pass
+            elif not _is_relation(known, catalog, schema, name):
+                shown = ".".join(x for x in (tree.get("catalog_name"), tree.get("schema_name"), tree.get("table_name")) if x)
+                return f"{shown!r}, which is not a table of the warehouse (a file name is read as one)"
+        elif kind == "SHOW_REF" and not tree.get("query") and tree.get("show_type") != "SHOW_FROM" \
+                and tree.get("table_name") not in _SHOW_LISTS:
+            return f"SHOW {tree.get('table_name')}"
+    for key, value in tree.items():
+        if key != "cte_map" and isinstance(value, (dict, list)):
+            if found := _refused_in(value, known, ctes):
+                return found
+    if isinstance(tree.get("cte_map"), dict):  # the CTEs' own bodies (they may name each other)
+        return _refused_in(tree["cte_map"], known, ctes)
+    return None
+
+
+def _words(sql: str) -> list[tuple[int, str]]:
+    """DuckDB's tokens of ``sql`` (comments and strings skipped by its tokenizer): (offset,
+    upper-cased keyword or identifier, or the operator's first character; '' for literals)."""
+    out = []
+    for offset, kind in duckdb.tokenize(sql):
+        if kind in (duckdb.token_type.keyword, duckdb.token_type.identifier):
+            m = re.match(r"[A-Za-z_][A-Za-z_0-9]*", sql[offset:])
+            out.append((offset, m.group(0).upper() if m and kind == duckdb.token_type.keyword else "\0ident"))
+        elif kind == duckdb.token_type.operator:
+            out.append((offset, sql[offset]))
+        else:
+            out.append((offset, ""))
+    return out
+
+
+#: Where a PIVOT's ON list ends.
+_PIVOT_ON_ENDS = frozenset({"USING", "GROUP", "ORDER", "LIMIT", "OFFSET", "UNION", "EXCEPT", "INTERSECT",
+                            "HAVING", "QUALIFY", "WINDOW", ";"})
+
+
+def _pivot_values_named(sql: str) -> tuple[str, int]:
+    """``sql`` with ``IN (NULL)`` added to each PIVOT column without an IN list, and how many.
+
+    A PIVOT without its values is, to DuckDB, a CREATE of an enum of them and then a SELECT,
+    which the serializer refuses; with a list it is one SELECT tree holding the same source,
+    columns and aggregates. The tree of this text is checked; the user's text is what runs.
+    """
+    inserts: list[int] = []
+    states: list[dict] = []  # open PIVOTs: their depth, and whether in the ON list / its item has IN
+    depth = 0
+
+    def end_item(state: dict, at: int) -> None:
+        if not state["has_in"]:
+            inserts.append(at)
+        state["has_in"] = False
+
+    for offset, word in _words(sql):
+        top = states[-1] if states and states[-1]["depth"] == depth else None
+        if word == ")":
+            if top is not None:
+                if top["on"]:
+                    end_item(top, offset)
+                states.pop()
+            depth -= 1
+            continue
+        if word == "(":
+            depth += 1
+        elif word == "PIVOT":
+            states.append({"depth": depth, "on": False, "has_in": False})
+        elif top is None:
+            pass
+        elif not top["on"]:
+            if word == "ON":
+                top["on"] = True
+            elif word in ("JOIN", "SELECT", ";"):
+                states.pop()  # not the ON of a PIVOT ... ON (a join's, or another form)
+        elif word == "IN":
+            top["has_in"] = True
+        elif word == ",":
+            end_item(top, offset)
+        elif word in _PIVOT_ON_ENDS:
+            end_item(top, offset)
+            states.pop()
+    for state in states:
+        if state["on"]:
+            end_item(state, len(sql))
+    text = sql
+    for at in sorted(inserts, reverse=True):
+        text = text[:at] + "\n IN (NULL) " + text[at:]
+    return text, len(inserts)
+
+
+def _explained(sql: str) -> str:
+    """What an EXPLAIN [ANALYZE] statement explains (and, with ANALYZE, runs)."""
+    words = _words(sql)
+    i = 1 if words and words[0][1] == "EXPLAIN" else 0
+    if i and len(words) > 1 and words[1][1] in ("ANALYZE", "ANALYSE"):
+        i = 2
+    if not i or i >= len(words) or words[i][1] == "(":
+        raise RefusedQuery(f"refused an EXPLAIN with options. {READ_ONLY_HELP}")
+    return sql[words[i][0]:]
+
+
+def check_read_only(conn: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Raise :class:`RefusedQuery`, saying what is allowed, unless every statement in ``sql`` is
+    provably a read of the warehouse (see the section's comment). A statement DuckDB cannot
+    parse raises its ``duckdb.Error``."""
+    try:
+        _check(conn, sql, _relations(conn), explain=True)
+    except (RecursionError, orjson.JSONDecodeError):
+        raise RefusedQuery(f"refused a statement nested too deeply to check. {READ_ONLY_HELP}") from None
+
+
+def _check(conn: duckdb.DuckDBPyConnection, sql: str, known: set[tuple[str, str, str]], *, explain: bool) -> None:
+    statements = duckdb.extract_statements(sql)
+    if not statements:
+        return
+    trees = _serialized(conn, sql)
+    if trees is None:
+        made = [st for st in statements if not st.query.strip()]  # DuckDB's own, for a PIVOT
+        if not made:
+            if len(statements) > 1:
+                for st in statements:
+                    _check(conn, st.query, known, explain=explain)
+                return
+            (st,) = statements
+            if st.type == duckdb.StatementType.EXPLAIN and explain:
+                try:
+                    _check(conn, _explained(st.query), known, explain=False)
+                except RefusedQuery as exc:
+                    raise RefusedQuery(str(exc).replace("refused ", "refused EXPLAIN of ", 1)) from None
+                return
+            raise RefusedQuery(f"refused a {st.type.name} statement. {READ_ONLY_HELP}")
+        others = [st.type.name for st in statements if st.query.strip() and st.type != duckdb.StatementType.SELECT]
+        if others or any(st.type not in (duckdb.StatementType.CREATE, duckdb.StatementType.SELECT) for st in made):
+            raise RefusedQuery(f"refused a {(others or [made[0].type.name])[0]} statement. {READ_ONLY_HELP}")
+        text, n = _pivot_values_named(sql)
+        trees = _serialized(conn, text) if n else None
+        if trees is None or n != sum(st.type == duckdb.StatementType.CREATE for st in made):
+            raise RefusedQuery("refused a CREATE statement (write a PIVOT that DuckDB cannot read as a SELECT "
+                               f"with its values: PIVOT ... ON col IN (...)). {READ_ONLY_HELP}")
+    for tree in trees:
+        if found := _refused_in(tree, known):
+            raise RefusedQuery(f"refused {found}. {READ_ONLY_HELP}")
+
+
+# --- the process that runs them cannot write --------------------------------------------------------
+
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446  # every Linux ABI
+_FS_READ = 1 << 0 | 1 << 2 | 1 << 3  # EXECUTE, READ_FILE, READ_DIR
+_FS_FILE = 1 << 0 | 1 << 1 | 1 << 2 | 1 << 14 | 1 << 15  # what applies to a file (not a folder)
+
+
+def confine_process(writable: list[Path]) -> bool:
+    """Make this process — its calling thread and every thread and process it starts after —
+    unable to write, create, remove or rename any file outside ``writable`` (reading stays
+    allowed everywhere), with Linux's Landlock. Threads that already run are not confined: call
+    it before DuckDB starts its workers. Returns False where Landlock is not available (not
+    Linux, a kernel before 5.13 or without it); it cannot be undone."""
+    if sys.platform != "linux":
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    abi = libc.syscall(_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
+        return False
+    handled = (1 << 13) - 1  # ABI 1: execute .. make_sym
+    handled |= (1 << 13) if abi >= 2 else 0  # refer (link/rename across folders)
+    handled |= (1 << 14) if abi >= 3 else 0  # truncate
+    handled |= (1 << 15) if abi >= 5 else 0  # ioctl on devices
+    attr = ctypes.create_string_buffer(struct.pack("=Q", handled), 8)
+    ruleset = libc.syscall(_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if ruleset < 0:
+        return False
+    try:
+        def allow(path: Path, access: int) -> None:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = struct.pack("=Qi", access & handled & (_FS_FILE if not path.is_dir() else ~0), fd)
+                if libc.syscall(_LANDLOCK_ADD_RULE, ruleset, ctypes.c_int(1), ctypes.create_string_buffer(rule, 12),
+                                ctypes.c_uint32(0)) != 0:
+                    raise OSError(ctypes.get_errno(), f"landlock: cannot allow {path}")
+            finally:
+                os.close(fd)
+
+        allow(Path("/"), _FS_READ)
+        allow(Path(os.devnull), _FS_READ | 1 << 1)
+        for path in writable:
+            allow(path, handled)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS, which Landlock requires unprivileged
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(_LANDLOCK_RESTRICT_SELF, ruleset, ctypes.c_uint32(0)) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self")
+        return True
+    except OSError as exc:
+        log.warning("cannot confine the process with Landlock: %s", exc)
+        return False
+    finally:
+        os.close(ruleset)
+
+
+def _scratch() -> tuple[Path, Path]:
+    """A private scratch folder for this process's query spills, removed at exit, and the folder
+    the confined process may write in (its parent: one per user, so the folder can be removed)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    parent = Path(tempfile.gettempdir()) / f"featurehouse-sql-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        parent.mkdir(mode=0o700)
+    st = parent.lstat()
+    if not parent.is_dir() or parent.is_symlink() or st.st_uid != os.getuid():
+        parent = Path(tempfile.mkdtemp(prefix="featurehouse-sql-"))
+    scratch = Path(tempfile.mkdtemp(dir=parent))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return scratch, parent
+
+
+#: Connections kept open for the life of the process (see ``_hold_catalog``).
+_HELD: list[duckdb.DuckDBPyConnection] = []
+
+
+def _hold_catalog(settings: Settings) -> list[Path]:
+    """For an SQLite catalog: the files a reader must still write once the process is confined —
+    the shared-memory index of its write-ahead log (``catalog.sqlite-shm``), which every reader
+    updates — kept from being deleted and made anew (a file rule holds the file, not its name).
+
+    DuckDB's SQLite opens the catalog for each transaction; SQLite deletes the index when its last
+    connection closes, and the next one would have to create it in the warehouse folder. So one
+    connection (DuckDB's SQLite, the library DuckLake uses: never Python's, see ``_catalog_state``)
+    stays open, in a transaction, until the process ends.
+    """
+    if settings.catalog_kind != "sqlite":
+        return []
+    path = _sqlite_file(settings)
+    holder = duckdb.connect(config={"threads": 1, "autoinstall_known_extensions": False})
+    holder.execute(f"LOAD '{_q(extension_path('sqlite_scanner'))}'")
+    holder.execute(f"ATTACH '{_q(str(path))}' AS held_catalog (TYPE sqlite, READ_ONLY)")
+    holder.execute("BEGIN TRANSACTION")
+    holder.execute("SELECT count(*) FROM held_catalog.ducklake_metadata").fetchall()
+    _HELD.append(holder)
+    shm = Path(f"{path}-shm")
+    return [shm] if shm.is_file() else []
+
+
+def sandbox(conn: duckdb.DuckDBPyConnection, *, scratch: Path | None = None) -> None:
+    """Lock a read-only connection down for ad-hoc queries: DuckDB's file access limited to the
+    warehouse's data files (and ``scratch``, where spills go): no COPY TO elsewhere, no ATTACH,
+    no INSTALL/LOAD of new extensions; and the configuration locked so a query cannot undo it.
+
+    Within the data folder DuckDB could still write (it has no read-only directories): the
+    process-level confinement of :func:`open_for_queries` is what stops that."""
+    dirs = [data_path(conn)] + ([str(scratch).rstrip("/") + "/"] if scratch else [])
+    if scratch:
+        conn.execute(f"SET temp_directory = '{_q(str(scratch))}'")
+    conn.execute("SET allowed_directories = $dirs", {"dirs": dirs})
     conn.execute("SET enable_external_access = false")
     conn.execute("SET lock_configuration = true")
 
 
-#: Table functions of the loaded scanner extensions that open any database by name or file,
-#: outside DuckDB's file system (so ``allowed_directories`` does not stop them).
-_SCANNERS = re.compile(r"\b(sqlite|postgres)_(scan|query|execute|attach|scan_pushdown)\b", re.IGNORECASE)
+def open_for_queries(where: Settings | str | os.PathLike) -> duckdb.DuckDBPyConnection:
+    """The warehouse opened read-only for ad-hoc queries (`featurehouse sql`), in a process that
+    cannot write the lake any more, whatever statement reaches the connection.
 
-
-def check_sandboxed_query(sql: str) -> None:
-    """Refuse a query calling a scanner function (``sqlite_scan('/any/file.db', ...)`` reads any
-    SQLite file; ``postgres_scan`` any reachable server): the sandbox cannot stop them."""
-    if m := _SCANNERS.search(sql):
-        raise PermissionError(f"{m.group(0)} reads databases outside the warehouse; query the warehouse's tables")
+    The catalog is opened first (an SQLite reader writes its shared-memory index beside it),
+    with one DuckDB thread; then the process is confined (:func:`confine_process`: it may write
+    only in a private scratch folder), then DuckDB's worker threads start — confined too — and
+    the connection is sandboxed (:func:`sandbox`). Confinement is for good: use it in a process
+    that ends with its queries (a command), not in a long-lived one. Where Landlock is missing it
+    logs a warning and the statement check and DuckDB's sandbox are all that stand.
+    """
+    settings = settings_for(where)
+    conn = connect(settings, read_only=True, threads=1)
+    try:
+        scratch, parent = _scratch()
+        if not confine_process([parent, *_hold_catalog(settings)]):
+            log.warning("this system cannot confine the process (Linux Landlock is not available): "
+                        "only the statement check keeps the query from writing the warehouse's files")
+        conn.execute("RESET threads")  # the workers start now, from the confined thread
+        sandbox(conn, scratch=scratch)
+        return conn
+    except BaseException:
+        conn.close()
+        raise
 
 
 # --- for people ---------------------------------------------------------------------------------
 
 
 def attach_sql(settings: Settings, *, read_only: bool = True) -> list[str]:
-    """The statements that attach this warehouse in any DuckDB client (CLI, Python, ...)."""
+    """The statements that attach this warehouse in any DuckDB client (CLI, Python, ...), with
+    its data path where the folder is now (see ``_data_path_override``)."""
     lines = [f"LOAD '{_q(extension_path(n))}';" for n in _extensions(settings)]
     if settings.uses_s3:
         lines.append("-- S3 data: CREATE SECRET (TYPE s3, ...) with your endpoint and credentials;")
-    ro = " (READ_ONLY)" if read_only else ""
-    lines += [f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{ro};", f"USE {CATALOG};"]
+    _, recorded = _catalog_state(settings)
+    override = _data_path_override(settings, recorded)
+    opts = (["READ_ONLY"] if read_only else []) + (
+        [f"DATA_PATH '{_q(override)}'", "OVERRIDE_DATA_PATH true"] if override else [])
+    suffix = f" ({', '.join(opts)})" if opts else ""
+    lines += [f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix};", f"USE {CATALOG};"]
     return lines
