@@ -24,8 +24,12 @@ run: setup ## Ingest the bundled sample pages into $(WAREHOUSE), print the summa
 	$(BIN)/featurehouse status --warehouse $(WAREHOUSE) -n 3
 	@echo "report: $$($(BIN)/featurehouse sql "SELECT report_path FROM runs ORDER BY started_at DESC LIMIT 1" --warehouse $(WAREHOUSE) --format csv | tail -n 1)"
 
-test: setup ## Run the whole test suite (fails if no test is collected)
-	@set +e; $(BIN)/pytest; rc=$$?; \
+JOBS ?= 2
+PYTEST_ARGS ?= -n $(JOBS) --dist loadgroup --durations=30
+
+test: setup ## Run the whole test suite in $(JOBS) processes (fails if no test is collected); prints its wall time
+	@start=$$(date +%s); set +e; $(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \
+	echo "make test: the suite took $$(( $$(date +%s) - start )) s of wall time (pytest exit $$rc)"; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; exit $$rc
 
 lint: setup ## Lint and check formatting with ruff
@@ -34,23 +38,22 @@ lint: setup ## Lint and check formatting with ruff
 bench: setup ## Benchmark ingest against DuckDB read_json: full (N=250, 1000), re-run, one new page, 1 GiB export batch
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 
-up: ## Start Airflow with docker compose (builds the image; writes .env with fresh secrets once)
-	@test -f .env || { echo "AIRFLOW_UID=$$(id -u)"; \
-	  echo "AIRFLOW_JWT_SECRET=$$($(PYTHON) -c 'import secrets; print(secrets.token_hex(32))')"; \
-	  echo "AIRFLOW_ADMIN_PASSWORD=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(12))')"; } > .env
+up: ## Start Airflow with docker compose, as .env records it (one machine unless `make up-scale` chose scale-out; DEPLOYMENT=single goes back); writes .env's secrets once
+	@PYTHON=$(PYTHON) bash deploy/dotenv.sh secrets
+	@case "$(DEPLOYMENT)" in "") ;; single) bash deploy/dotenv.sh set FEATUREHOUSE_DEPLOYMENT=single COMPOSE_PROFILES= \
+	  FEATUREHOUSE_WRITER_SLOTS=2 ;; *) echo "DEPLOYMENT=single, or make up-scale"; exit 2 ;; esac
+	@if [ "$$(bash deploy/dotenv.sh get FEATUREHOUSE_DEPLOYMENT)" = scale ]; then PYTHON=$(PYTHON) bash deploy/dotenv.sh scale-secrets; fi
 	@mkdir -p inbox
 	docker compose up -d --build
-	@echo "Airflow: http://localhost:8080 (user admin, password AIRFLOW_ADMIN_PASSWORD in .env); drop pages into ./inbox"
+	@echo "Airflow ($$(bash deploy/dotenv.sh get FEATUREHOUSE_DEPLOYMENT | grep . || echo single) deployment): http://localhost:8080 (user admin, password AIRFLOW_ADMIN_PASSWORD in .env); drop pages into ./inbox"
 
-up-scale: ## Start the scale-out deployment: CeleryExecutor, Redis, MinIO, N=2 Celery workers
-	@test -f .env || { echo "AIRFLOW_UID=$$(id -u)"; \
-	  echo "AIRFLOW_JWT_SECRET=$$($(PYTHON) -c 'import secrets; print(secrets.token_hex(32))')"; \
-	  echo "AIRFLOW_ADMIN_PASSWORD=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(12))')"; } > .env
-	@grep -q '^AWS_SECRET_ACCESS_KEY=' .env || { echo "AWS_ACCESS_KEY_ID=featurehouse"; \
-	  echo "AWS_SECRET_ACCESS_KEY=$$($(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(24))')"; } >> .env
+up-scale: ## Start the scale-out deployment (CeleryExecutor, Redis, MinIO, N=2 Celery workers) and record it in .env, so a later `make up` or `docker compose up -d` keeps it
+	@PYTHON=$(PYTHON) bash deploy/dotenv.sh secrets
+	@PYTHON=$(PYTHON) bash deploy/dotenv.sh scale-secrets
+	@bash deploy/dotenv.sh set FEATUREHOUSE_DEPLOYMENT=scale COMPOSE_PROFILES=scale \
+	  FEATUREHOUSE_WORKERS=$${N:-2} FEATUREHOUSE_WRITER_SLOTS=$$(( $${N:-2} * 2 ))
 	@mkdir -p inbox
-	FEATUREHOUSE_DEPLOYMENT=scale FEATUREHOUSE_WRITER_SLOTS=$$(( $${N:-2} * 2 )) \
-	  docker compose --profile scale up -d --build --scale airflow-worker=$${N:-2}
+	docker compose --profile scale up -d --build --scale airflow-worker=$${N:-2}
 	@echo "Airflow: http://localhost:8080; MinIO console: http://localhost:9001 (AWS_* in .env)"
 
 down: ## Stop the docker compose deployment (volumes, and so the warehouse, are kept)

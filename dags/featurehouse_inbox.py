@@ -5,16 +5,24 @@ Every ten minutes, ingests whatever has been dropped into the inbox folder (`[pa
 `featurehouse.toml`, or `$FEATUREHOUSE_INBOX`): saved pages, captured flight text, API JSON,
 bulk-export lines, gzip of any of them.
 
-A file leaves the inbox (to `<inbox>/.done/<run id>/`) only once its bytes are recorded in
-`raw_inputs`, loaded or rejected; a run that dies half-way leaves the rest for the next run.
-Files changed in the last `[inbox] settle_seconds` are left for the next run (still being
-copied). One task, in pool `warehouse_writer` (which bounds concurrent loads; commits take the
-warehouse's commit lock, so it may run beside the nightly); it refreshes the activation
-statistics and publishes them as Assets. The code is `pipeline.sources.inbox.drain_inbox`.
+A file leaves the inbox (to `<inbox>/.done/<run id>/`, kept `[inbox] keep_days`, default 7)
+only once its bytes are recorded in `raw_inputs`, loaded or rejected; a run that dies half-way
+leaves the rest for the next run. Files changed in the last `[inbox] settle_seconds` are left
+for the next run (still being copied). What is not a file (a named pipe, a link to nothing) is
+refused with its reason and set aside, unread, in `<inbox>/.refused/<run id>/`. One task, in
+pool `warehouse_writer` (which bounds concurrent loads; commits take the warehouse's commit
+lock, so it may run beside the nightly); it refreshes the activation statistics and publishes
+them as Assets. The code is `pipeline.sources.inbox.drain_inbox`.
+
+It reads only `[paths]` and `[inbox]` of `featurehouse.toml`: a mistake in a nightly source
+does not stop it. A mistake in those sections fails the task at once (no retries), naming
+it. When the run's verdict is FAIL (everything dropped was rejected, say) the task fails
+after everything is recorded, with the verdict's reason, so the operator sees it.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from datetime import timedelta
 
 import pendulum
@@ -30,6 +38,20 @@ SOURCE_STATS = Asset(name="featurehouse.source_activation_stats",
 def _key(context: dict):
     """The run's key: its data interval start (a manual run without one: its logical date / run_after)."""
     return context.get("data_interval_start") or context.get("logical_date") or context["dag_run"].run_after
+
+
+@contextmanager
+def _not_transient():
+    """A configuration error (``pipeline.sources.plan.ConfigError``, a bad environment value)
+    fails the task at once: retrying cannot mend it. The library never imports Airflow."""
+    from pipeline.config import BadSetting  # ConfigError is one
+
+    try:
+        yield
+    except BadSetting as exc:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
 
 
 @dag(
@@ -52,13 +74,21 @@ def _key(context: dict):
 def featurehouse_inbox():
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def drain(**context) -> dict:
+        from airflow.sdk.exceptions import AirflowFailException
+
         from pipeline.config import Settings
         from pipeline.sources.inbox import drain_inbox
-        from pipeline.sources.plan import load_plan, run_id_for
+        from pipeline.sources.plan import load_inbox_plan, run_id_for
 
-        plan = load_plan()
-        return drain_inbox(plan.inbox, Settings.from_env(warehouse=plan.warehouse), run_id_for(_key(context), DAG_ID),
-                           trigger="airflow", settle_seconds=plan.inbox_settle_seconds).as_dict()
+        with _not_transient():
+            plan = load_inbox_plan()
+            result = drain_inbox(plan.inbox, Settings.from_env(warehouse=plan.warehouse),
+                                 run_id_for(_key(context), DAG_ID), trigger="airflow",
+                                 settle_seconds=plan.settle_seconds, keep_days=plan.keep_days).as_dict()
+        if result["verdict"] == "FAIL":  # recorded already; a retry would find nothing and pass
+            raise AirflowFailException(f"inbox run {result['run_id']}: verdict FAIL: {result['verdict_reason']} "
+                                       "(see `featurehouse status` and the run's report)")
+        return result
 
     drain()
 

@@ -4,19 +4,24 @@
 Fetches the features listed in `featurehouse.toml` from Neuronpedia and loads them into the
 warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00 UTC).
 
-1. **plan** reads `featurehouse.toml` and splits it into fetch chunks (fewer than
-   `[core] max_map_length`); each chunk is a small dict naming a source and an index range.
+1. **plan** reads `featurehouse.toml` (checked whole against its schema) and splits it into
+   fetch chunks (fewer than `[core] max_map_length`); each chunk is a small dict naming a
+   source, an index range and the warehouse. It is the only task that reads the file. A
+   mistake in it is not transient: the task fails at once, without retries, naming the file
+   and the entry, and nothing after it runs.
 2. **fetch** is mapped over the chunks in pool `neuronpedia_api`: each lands page bodies in the
    landing area and never touches the warehouse, so chunks run side by side. A chunk whose URLs
    all failed, or more than `[fetch] max_failed_fraction` (default 0.5) of them, fails its task,
-   which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed.
+   which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed. A chunk
+   whose source does not exist (every feature a 404 and so is its feature 0, or an empty export
+   listing) fails at once, naming it.
 3. **units** splits what the run's window landed into ingest units: one per fetch chunk, one
    per export batch file. It runs even when some fetch chunks failed, so what did land is
-   loaded tonight.
+   loaded tonight (but not when the plan failed: there is nothing to load).
 4. **ingest** is mapped over the units: each parses, validates and loads its share as a part
    of the night's warehouse run, on any worker, committing side by side with the others.
 5. **finish** records the fetch failures in `fetch_failures` and the run's status (failed, and
-   so is this task, when an ingest part failed).
+   so is this task, when an ingest part failed); skipped when the plan failed.
 6. **materialise** refreshes the activation statistics of what the run changed (the
    per-source aggregates once, after every part) and publishes them as Assets.
 7. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -120,6 +126,27 @@ def _key(context: dict):
     return context.get("data_interval_start") or context.get("logical_date") or context["dag_run"].run_after
 
 
+@contextmanager
+def _not_transient():
+    """A configuration error (``pipeline.sources.plan.ConfigError``, a bad environment value,
+    a source Neuronpedia does not have) fails the task at once: retrying cannot mend it. The
+    library never imports Airflow; the translation is here."""
+    from pipeline.config import BadSetting  # ConfigError and SourceNotFound are BadSettings
+
+    try:
+        yield
+    except BadSetting as exc:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
+
+
+def _warehouse(context: dict) -> str | None:
+    """The warehouse the plan task chose for this run (None when it failed): the tasks after it
+    never read featurehouse.toml again."""
+    return context["ti"].xcom_pull(task_ids="plan", key="warehouse")
+
+
 def _failed(context: dict, task_id: str) -> int:
     """How many of this run's ``task_id`` instances failed (a killed worker's task leaves no
     trace in the warehouse); 0 when the scheduler cannot be asked (``airflow dags test``)."""
@@ -156,77 +183,88 @@ def featurehouse_nightly():
 
         from pipeline.sources.plan import chunks, load_plan, window_for
 
-        return chunks(load_plan(), window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
+        with _not_transient():
+            planned = load_plan()
+            out = chunks(planned, window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
+        context["ti"].xcom_push(key="warehouse", value=str(planned.warehouse))
+        return out
 
     # A chunk whose URLs all (or mostly) failed raises FetchChunkFailed: the task fails, is
     # retried ([fetch] task_retries, task_retry_delay), and a retry asks only for what is missing.
+    # A source that does not exist raises SourceNotFound, a ConfigError: it fails at once.
     @task(pool="neuronpedia_api", retries=_fetch_setting("task_retries", 4, int),
           retry_delay=timedelta(seconds=_fetch_setting("task_retry_delay", 60.0, float)),
           max_active_tis_per_dagrun=4)
     def fetch(chunk: dict) -> dict:
-        from pipeline.config import Settings
-        from pipeline.sources.plan import fetch_chunk, load_plan
+        from pipeline.sources.plan import fetch_chunk
 
-        return fetch_chunk(chunk, Settings.from_env(warehouse=load_plan().warehouse))
+        with _not_transient():
+            return fetch_chunk(chunk)
 
-    # all_done: what the chunks that succeeded landed is still loaded (and failures recorded)
-    # tonight, rather than left landed in a window no later run reads.
-    @task(trigger_rule="all_done")
+    # all_done_min_one_success: what the chunks that succeeded landed is still loaded (and
+    # failures recorded) tonight, rather than left landed in a window no later run reads; the
+    # plan's success is the one success needed, so when the plan failed this does not run.
+    @task(trigger_rule="all_done_min_one_success")
     def units(chunks: list[dict]) -> list[dict]:
         from airflow.sdk import conf
 
-        from pipeline.config import Settings
-        from pipeline.sources.plan import ingest_units, load_plan
+        from pipeline.sources.plan import ingest_units
 
-        settings = Settings.from_env(warehouse=load_plan().warehouse)
-        return ingest_units(chunks, settings, conf.getint("core", "max_map_length"))
+        with _not_transient():
+            return ingest_units(chunks, max_map_length=conf.getint("core", "max_map_length"))
 
     # One ingest per unit (a fetch chunk's pages, an export batch file), on any worker, at once:
     # each is a part of the night's run and commits under the commit lock; per-source stats wait
     # for materialise.
     @task(pool="warehouse_writer")
     def ingest(unit: dict, **context) -> dict:
-        from pipeline.config import Settings
         from pipeline.sources.fetch import ingest_unit
-        from pipeline.sources.plan import load_plan, run_id_for
+        from pipeline.sources.plan import run_id_for, settings_of
 
-        settings = Settings.from_env(warehouse=load_plan().warehouse)
-        return ingest_unit(unit, settings, run_id=run_id_for(_key(context), DAG_ID)).as_dict()
+        with _not_transient():
+            return ingest_unit(unit, settings_of(unit), run_id=run_id_for(_key(context), DAG_ID)).as_dict()
 
     # all_done: the run's status and fetch failures are recorded whatever the parts did; it
-    # fails (and so stops materialise and the report) when a part failed.
+    # fails (and so stops materialise and the report) when a part failed. Skipped when the plan
+    # failed: nothing was fetched, there is no run to finish.
     @task(pool="warehouse_writer", trigger_rule="all_done")
     def finish(**context) -> dict:
-        from pipeline.config import Settings
-        from pipeline.sources.fetch import finish_fetched
-        from pipeline.sources.plan import load_plan, run_id_for, window_for
+        from airflow.sdk.exceptions import AirflowSkipException
 
-        settings = Settings.from_env(warehouse=load_plan().warehouse)
+        from pipeline.sources.fetch import finish_fetched
+        from pipeline.sources.plan import run_id_for, settings_of, window_for
+
+        warehouse = _warehouse(context)
+        if warehouse is None:
+            raise AirflowSkipException("the plan task failed (see its log): nothing was fetched or loaded")
         key = _key(context)
-        return finish_fetched(window_for(key, DAG_ID), settings, run_id=run_id_for(key, DAG_ID),
-                              failed_parts=_failed(context, "ingest"))
+        with _not_transient():
+            return finish_fetched(window_for(key, DAG_ID), settings_of({"warehouse": warehouse}),
+                                  run_id=run_id_for(key, DAG_ID), failed_parts=_failed(context, "ingest"))
 
     @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
     def materialise(**context) -> dict:
-        from pipeline.sources.plan import load_plan, run_id_for
+        from pipeline.sources.plan import run_id_for
         from pipeline.stages.materialise import refresh_run
 
-        return refresh_run(load_plan().warehouse, run_id_for(_key(context), DAG_ID)).as_dict()
+        with _not_transient():
+            return refresh_run(_warehouse(context), run_id_for(_key(context), DAG_ID)).as_dict()
 
     @task
     def report(**context) -> dict:
         from pipeline.outputs.report import report_run
-        from pipeline.sources.plan import load_plan, run_id_for
+        from pipeline.sources.plan import run_id_for
 
-        return report_run(load_plan().warehouse, run_id_for(_key(context), DAG_ID))
+        with _not_transient():
+            return report_run(_warehouse(context), run_id_for(_key(context), DAG_ID))
 
     @task(pool="warehouse_writer")
-    def maintain() -> dict:
+    def maintain(**context) -> dict:
         from pipeline.lake.maintain import maintain
         from pipeline.lake.warehouse import settings_for
-        from pipeline.sources.plan import load_plan
 
-        return maintain(settings_for(load_plan().warehouse)).as_dict()
+        with _not_transient():
+            return maintain(settings_for(_warehouse(context))).as_dict()
 
     # Airflow judges a run by its last tasks: this one (all_success) is upstream_failed when a
     # fetch chunk failed, so such a night is a failed run, after what landed was loaded and reported.

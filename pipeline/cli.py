@@ -181,9 +181,6 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
         sys.exit(EXIT_VERDICT_FAIL)
 
 
-_SQL_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
-
-
 @cli.command("sql")
 @click.argument("query")
 @warehouse_option
@@ -192,27 +189,23 @@ _SQL_STATEMENTS = {duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN}
 def sql_cmd(query, warehouse, fmt, max_rows) -> None:
     """Run a read-only SQL query against the warehouse (the last committed snapshot).
 
-    Only queries (SELECT, FROM, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN): the connection cannot
-    write files, attach databases or load extensions, and its configuration is locked.
-    --format csv/json is how results leave.
+    Reads only: SELECT / FROM / WITH / VALUES, PIVOT, UNPIVOT, DESCRIBE, SHOW, SUMMARIZE and
+    EXPLAIN [ANALYZE] of those, over the warehouse's tables, with a short list of table
+    functions (snapshots(), table_changes(), range(), unnest(), ...); anything DuckDB's parser
+    does not show to be such a read is refused, saying what is allowed. The process cannot write
+    the warehouse's files whatever runs. --format csv/json is how results leave.
     """
     try:
-        statements = duckdb.extract_statements(query)
+        duckdb.extract_statements(query)
     except duckdb.Error as exc:
         raise click.ClickException(f"query failed: {exc}") from None
-    refused = [st.type.name for st in statements if st.type not in _SQL_STATEMENTS]
-    if refused:
-        raise click.ClickException(
-            f"featurehouse sql is read-only and runs queries only; refused a {refused[0]} statement "
-            "(write results out with --format csv or --format json)")
-    try:
-        warehouse_mod.check_sandboxed_query(query)
-    except PermissionError as exc:
-        raise click.ClickException(f"featurehouse sql refused the query: {exc}") from None
     settings = Settings.from_env(warehouse=warehouse)
-    conn = _open(settings, read_only=True)
     try:
-        warehouse_mod.sandbox(conn)
+        conn = warehouse_mod.open_for_queries(settings)
+    except _USER_ERRORS as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        warehouse_mod.check_read_only(conn, query)
         rel = conn.sql(query)
         if rel is None:
             return
@@ -220,19 +213,34 @@ def sql_cmd(query, warehouse, fmt, max_rows) -> None:
             rel.show(max_rows=max_rows, max_width=10_000)
             return
         _print_rows(rel.columns, rel.fetchall(), fmt)
+    except warehouse_mod.RefusedQuery as exc:
+        raise click.ClickException(str(exc)) from None
     except duckdb.Error as exc:
         raise click.ClickException(f"query failed: {exc}") from None
     finally:
         conn.close()
 
 
-#: The columns ``status`` shows in a table: (heading, ``runs`` column).
+#: The columns ``status`` shows in a table: (heading, key of a ``report.recent_runs`` row). A run
+#: can succeed (it loaded what it got) and still be a bad night: the verdict and the fetch
+#: failures say so, as in --format json.
 _STATUS_COLUMNS = (
-    ("run_id", "run_id"), ("status", "status"), ("started_at", "started_at"), ("seconds", "seconds"),
-    ("received", "n_received"), ("loaded", "n_loaded"), ("rejected", "n_rejected"), ("dups", "n_duplicates"),
-    ("features", "n_features"), ("activations", "n_activations"), ("quarantined", "n_quarantined"),
-    ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
+    ("run_id", "run_id"), ("status", "status"), ("verdict", "verdict"), ("started_at", "started_at"),
+    ("seconds", "seconds"), ("received", "n_received"), ("loaded", "n_loaded"), ("rejected", "n_rejected"),
+    ("dups", "n_duplicates"), ("features", "n_features"), ("activations", "n_activations"),
+    ("quarantined", "n_quarantined"), ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
+    ("fetch_failed", "n_fetch_failed"), ("not_found", "n_fetch_not_found"), ("why", "verdict_reason"),
 )
+
+
+def _status_cell(run: dict, key: str):
+    if key == "verdict":
+        return run["verdict"].level
+    if key == "verdict_reason":  # why a run is not PASS, in words
+        return run["verdict"].reason if run["verdict"].level != "PASS" else ""
+    if key == "seconds" and run[key] is not None:
+        return round(run[key], 1)
+    return run[key]
 
 
 @cli.command("status")
@@ -242,7 +250,7 @@ _STATUS_COLUMNS = (
               help="A table and the warehouse's totals, or the runs as one JSON list on stdout (every "
                    "runs column, seconds, verdict, verdict_reason).")
 def status_cmd(warehouse, limit, fmt) -> None:
-    """Show recent runs and their counts.
+    """Show recent runs, their verdicts (PASS, WARN, FAIL, and why when not PASS) and counts.
 
     A run still marked running whose process is gone (killed) shows as abandoned; nothing is
     written (the next ingest records it).
@@ -256,8 +264,7 @@ def status_cmd(warehouse, limit, fmt) -> None:
             _print_json([{k: v for k, v in r.items() if k != "verdict"}
                          | {"verdict": r["verdict"].level, "verdict_reason": r["verdict"].reason} for r in runs])
             return
-        rows = [tuple(round(r[c], 1) if c == "seconds" and r[c] is not None else r[c] for _, c in _STATUS_COLUMNS)
-                for r in runs]
+        rows = [tuple(_status_cell(r, c) for _, c in _STATUS_COLUMNS) for r in runs]
         _print_rows([h for h, _ in _STATUS_COLUMNS], rows, "table")
         totals = conn.sql(
             "SELECT (SELECT count(*) FROM features), (SELECT count(*) FROM activations), "
@@ -365,12 +372,12 @@ def maintain_cmd(warehouse, retention_days, grace_minutes) -> None:
     """Expire old snapshots, merge small files and delete files nothing references."""
     from datetime import timedelta
 
-    from .lake.maintain import maintain
+    from .lake.maintain import MaintenanceRefused, maintain
 
     settings = Settings.from_env(warehouse=warehouse)
     try:
         r = maintain(settings, retention_days=retention_days, grace=timedelta(minutes=grace_minutes))
-    except _USER_ERRORS as exc:
+    except (MaintenanceRefused, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"snapshots {r.snapshots_before} -> {r.snapshots_after} ({r.snapshots_expired} older than "
                f"{r.retention_days:g} days expired); "
@@ -414,7 +421,13 @@ def migrate_cmd(old, warehouse) -> None:
 @click.option("--print", "print_only", is_flag=True, help="Print the statements that attach the warehouse, "
               "for any DuckDB client, instead of opening the shell.")
 def shell_cmd(warehouse, print_only) -> None:
-    """Open the DuckDB CLI with the warehouse attached read-only."""
+    """Open the DuckDB CLI with the warehouse attached read-only.
+
+    The shell is your own DuckDB client, not a sandbox: the warehouse is attached READ_ONLY, but
+    COPY ... TO, ATTACH and the file readers work as anywhere, and can write any file your user
+    can, the warehouse's data files included. For queries you did not write yourself, or in
+    scripts, use `featurehouse sql`, whose process cannot write them.
+    """
     import shutil
 
     settings = Settings.from_env(warehouse=warehouse)

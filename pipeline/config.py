@@ -10,14 +10,28 @@ SCHEMAS_DIR = Path(os.environ.get("FEATUREHOUSE_SCHEMAS", Path(__file__).resolve
 DEFAULT_WAREHOUSE = Path("warehouse")
 
 
+class BadSetting(ValueError):
+    "A setting (an environment variable, featurehouse.toml) holds a value it cannot take: not transient."
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
         return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"{name} must be a whole number, got {raw!r}") from exc
+    except ValueError:
+        raise BadSetting(f"{name} must be a whole number, got {raw!r}") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise BadSetting(f"{name} must be a number, got {raw!r}") from None
 
 
 def _env_str(name: str) -> str | None:
@@ -150,7 +164,7 @@ class Settings:
             batch_bytes=_env_int("FEATUREHOUSE_BATCH_BYTES", cls.batch_bytes),
             reports_dir=Path(reports) if reports else None,
             commit_attempts=_env_int("FEATUREHOUSE_COMMIT_ATTEMPTS", cls.commit_attempts),
-            lock_timeout=float(_env_str("FEATUREHOUSE_LOCK_TIMEOUT") or cls.lock_timeout),
+            lock_timeout=_env_float("FEATUREHOUSE_LOCK_TIMEOUT", cls.lock_timeout),
             s3_endpoint=_env_str("FEATUREHOUSE_S3_ENDPOINT") or _env_str("AWS_ENDPOINT_URL_S3")
             or _env_str("AWS_ENDPOINT_URL"),
             s3_region=_env_str("AWS_REGION") or _env_str("AWS_DEFAULT_REGION") or cls.s3_region,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -165,3 +166,75 @@ def _json(proc):
     """The JSON an `airflow ... -o json` command printed (warnings may come first on stdout)."""
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(("[", "{")))
     return json.loads(line)
+
+
+def _states(env: dict, logical_date: str) -> tuple[dict, dict[str, str]]:
+    """The DAG run of ``logical_date`` and its tasks' states (a mapped task's worst)."""
+    runs = _json(airflow(["dags", "list-runs", "featurehouse_nightly", "-o", "json"], env))
+    (run,) = [r for r in runs if r["logical_date"].startswith(logical_date[:10])]
+    states = _json(airflow(["tasks", "states-for-dag-run", "featurehouse_nightly", run["run_id"], "-o", "json"], env))
+    by_task: dict[str, str] = {}
+    for s in states:  # a mapped task: failed if any of its instances failed
+        if by_task.get(s["task_id"]) != "failed":
+            by_task[s["task_id"]] = s["state"]
+    return run, by_task
+
+
+TYPO_CONFIG = """
+[fetch]
+chunk_size = 10
+max_attempts = 1
+backoff = 0.01
+task_retries = 2
+task_retry_delay = 1
+[[sources]]
+model = "gpt-oss-20b"
+source = "11-resid-post-ab"
+indices = ["0:2"]
+"""
+
+
+def test_nightly_naming_a_source_that_does_not_exist_fails_at_once_and_says_why(home, tmp_path):
+    """Every URL of the source is a 404 (and so is its feature 0): its fetch fails at once,
+    though retries are allowed; what follows records it; the night is failed, not green."""
+    (tmp_path / "featurehouse.toml").write_text(TYPO_CONFIG)
+    wh = tmp_path / "warehouse"
+    env = home | {"FEATUREHOUSE_CONFIG": str(tmp_path / "featurehouse.toml"), "FEATUREHOUSE_WAREHOUSE": str(wh)}
+    logical_date = "2026-11-30T03:00:00+00:00"
+    out = airflow(["dags", "test", "featurehouse_nightly", logical_date], env, check=False)
+    log = out.stdout + out.stderr
+    assert "SourceNotFound" in log and "gpt-oss-20b/11-resid-post-ab" in log and "no such source" in log, log[-3000:]
+
+    run, by_task = _states(env, logical_date)
+    assert run["state"] == "failed"
+    assert by_task["fetch"] == "failed" and by_task["all_fetched"] == "upstream_failed"
+    assert {by_task[t] for t in ("units", "ingest", "finish", "materialise", "report", "maintain")} == {"success"}
+    assert log.count("starting task_id=fetch map_index=0") == 1, "a missing source was retried"
+
+    run_id = run_id_for(datetime.fromisoformat(logical_date))
+    assert q(wh, "SELECT status, n_loaded FROM runs WHERE run_id = ?", [run_id]) == [("succeeded", 0)]
+    (reason,) = q(wh, "SELECT last_error FROM fetch_failures WHERE run_id = ? AND status = 'failed'", [run_id])[0]
+    assert "no such source" in reason
+    (report_path,) = q(wh, "SELECT report_path FROM runs WHERE run_id = ?", [run_id])[0]
+    assert '<div class="verdict FAIL" id="verdict">' in Path(report_path).read_text()
+
+
+def test_nightly_with_a_config_mistake_fails_once_at_once_and_nothing_after_it_runs(home, tmp_path):
+    (tmp_path / "featurehouse.toml").write_text(TYPO_CONFIG.replace("chunk_size", "chunk_sise"))
+    env = home | {"FEATUREHOUSE_CONFIG": str(tmp_path / "featurehouse.toml"),
+                  "FEATUREHOUSE_WAREHOUSE": str(tmp_path / "warehouse")}
+    logical_date = "2026-12-01T03:00:00+00:00"
+    started = time.monotonic()
+    out = airflow(["dags", "test", "featurehouse_nightly", logical_date], env, check=False)
+    log = out.stdout + out.stderr
+    assert "[fetch]: unknown key(s) chunk_sise (did you mean chunk_size?)" in log, log[-3000:]
+    assert time.monotonic() - started < 120, "the plan task was retried"
+    assert log.count("starting task_id=plan") == 1
+
+    run, by_task = _states(env, logical_date)
+    assert run["state"] == "failed"
+    assert by_task["plan"] == "failed"
+    # nothing after it loads the plan again, nor retries: they never run
+    assert {by_task[t] for t in ("fetch", "units", "ingest", "all_fetched")} == {"upstream_failed"}
+    assert {by_task[t] for t in ("finish", "materialise", "report", "maintain")} == {"skipped"}
+    assert not (tmp_path / "warehouse").exists()

@@ -4,8 +4,10 @@ tests/test_airflow_scheduler.py really runs — the same Airflow subcommands, th
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -35,6 +37,11 @@ COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SVC = COMPOSE["services"]
 AIRFLOW_SERVICES = sorted(SERVICES)
 SCALE_INFRA = {"redis", "minio", "minio-init"}
+DOTENV = REPO / "deploy" / "dotenv.sh"
+COMPOSE_TEXT = (REPO / "docker-compose.yml").read_text()
+#: Secrets compose adds that the tests give another way: their throwaway PostgreSQL's password
+#: is in the URLs they put in place of deploy/airflow.env's (which carry none).
+COMPOSE_ONLY_SECRETS = {"PGPASSWORD"}
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 ENV = read_env_file()
 SCALE_ENV = read_env_file(SCALE_ENV_FILE)
@@ -74,7 +81,7 @@ def copied_to(source: str) -> str:
 
 
 def test_the_services_are_the_ones_the_scheduler_test_starts():
-    assert set(SVC) == {"postgres", "airflow-init", *SERVICES, *SCALE_SERVICES, *SCALE_INFRA}
+    assert set(SVC) == {"postgres", "airflow-init", "inbox-init", *SERVICES, *SCALE_SERVICES, *SCALE_INFRA}
     for name in AIRFLOW_SERVICES:
         assert command(SVC[name]) == SERVICES[name], name
     # the single-machine deployment is the default: only the scale profile adds the rest
@@ -138,7 +145,7 @@ def test_every_airflow_service_reads_the_shared_settings_and_only_adds_secrets(n
     s = SVC[name]
     assert s["env_file"] == ENV_FILES
     # what compose adds is what the tests add too (secrets and keys from the environment)
-    assert set(s["environment"]) <= EXTRA_KEYS, set(s["environment"]) - EXTRA_KEYS
+    assert set(s["environment"]) <= EXTRA_KEYS | COMPOSE_ONLY_SECRETS, set(s["environment"]) - EXTRA_KEYS
     assert s["environment"]["NEURONPEDIA_API_KEY"].startswith("${NEURONPEDIA_API_KEY")
     assert s["environment"]["AIRFLOW__API_AUTH__JWT_SECRET"].startswith("${AIRFLOW_JWT_SECRET")
     assert s["build"] == {"context": ".", "dockerfile": "Dockerfile"}
@@ -157,7 +164,8 @@ def test_places_agree_with_the_services_and_the_image():
     db = urlsplit(ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
     pg = SVC["postgres"]["environment"]
     assert db.scheme.startswith("postgresql") and db.hostname == "postgres"
-    assert (db.username, db.password, db.path.lstrip("/")) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"], pg["POSTGRES_DB"])
+    assert (db.username, db.path.lstrip("/")) == (pg["POSTGRES_USER"], pg["POSTGRES_DB"])
+    assert db.password is None  # PGPASSWORD, from .env
     api = urlsplit(ENV["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"])
     assert api.hostname == "api-server" and api.port == 8080 and api.path == "/execution/"
     assert any(p.endswith(":8080") for p in SVC["api-server"]["ports"])
@@ -172,7 +180,7 @@ def test_the_catalog_is_its_own_database_on_the_deployments_postgres():
     kind, _, conninfo = ENV["FEATUREHOUSE_CATALOG"].partition(":")
     fields = dict(part.split("=", 1) for part in conninfo.split())
     assert kind == "postgres" and fields["host"] == "postgres"
-    assert (fields["user"], fields["password"]) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"])
+    assert fields["user"] == pg["POSTGRES_USER"] and "password" not in fields  # PGPASSWORD, from .env
     assert fields["dbname"] != pg["POSTGRES_DB"], "the catalog must not share Airflow's database"
     # the database is made by the same file the tests' PostgreSQL runs
     init = [v for v in SVC["postgres"]["volumes"] if "docker-entrypoint-initdb.d" in v]
@@ -201,16 +209,92 @@ def test_the_image_is_airflow_3_3_with_this_package():
     assert copied_to("pipeline") == "/opt/featurehouse/pipeline"
 
 
+def _recipe(makefile: str, target: str) -> str:
+    found = re.search(rf"^{target}: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
+    assert found, f"no documented `{target}` target"
+    return found.group(1)
+
+
 def test_make_up_and_down_drive_compose():
     makefile = (REPO / "Makefile").read_text()
-    up = re.search(r"^up: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
-    down = re.search(r"^down: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
-    assert up and "docker compose up -d" in up.group(1)
-    assert down and re.search(r"docker compose (--profile scale )?down", down.group(1))
-    up_scale = re.search(r"^up-scale: .*## .+\n((?:\t.*\n)+)", makefile, re.M)
-    assert up_scale and "FEATUREHOUSE_DEPLOYMENT=scale" in up_scale.group(1)
-    assert "docker compose --profile scale up -d" in up_scale.group(1) and "--scale airflow-worker=" in up_scale.group(1)
-    assert "AWS_SECRET_ACCESS_KEY=" in up_scale.group(1)
-    # the secrets compose insists on are the ones `make up` writes
-    for var in ("AIRFLOW_JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD", "AIRFLOW_UID"):
-        assert f"{var}=" in up.group(1)
+    up, down, up_scale = (_recipe(makefile, t) for t in ("up", "down", "up-scale"))
+    assert "docker compose up -d" in up
+    assert re.search(r"docker compose (--profile scale )?down", down)
+    assert "FEATUREHOUSE_DEPLOYMENT=scale" in up_scale
+    assert "docker compose --profile scale up -d" in up_scale and "--scale airflow-worker=" in up_scale
+    for recipe in (up, up_scale):
+        assert "deploy/dotenv.sh secrets" in recipe
+    assert "deploy/dotenv.sh scale-secrets" in up_scale
+
+
+def _required(text: str) -> set[str]:
+    """The variables compose refuses to start without (``${NAME:?...}``)."""
+    return set(re.findall(r"\$\{([A-Z_][A-Z0-9_]*):\?", text))
+
+
+def test_the_secrets_compose_insists_on_are_the_ones_make_up_writes(tmp_path):
+    env = {"PATH": os.environ["PATH"], "DOTENV": str(tmp_path / ".env"), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(DOTENV), "secrets"], env=env, check=True, cwd=tmp_path)
+    subprocess.run(["bash", str(DOTENV), "scale-secrets"], env=env, check=True, cwd=tmp_path)
+    written = read_env_file(tmp_path / ".env")
+    assert _required(COMPOSE_TEXT) == {"AIRFLOW_JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD", "POSTGRES_PASSWORD"}
+    assert _required(COMPOSE_TEXT) | {"AIRFLOW_UID", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(written)
+    assert all(len(written[k]) >= 16 for k in ("AIRFLOW_JWT_SECRET", "AIRFLOW_ADMIN_PASSWORD", "POSTGRES_PASSWORD"))
+    assert written["POSTGRES_PASSWORD"] != "airflow"
+    assert oct((tmp_path / ".env").stat().st_mode & 0o777) == "0o600"
+    # once made, a secret stays (a new one would lock the deployment out of its own database)
+    subprocess.run(["bash", str(DOTENV), "secrets"], env=env, check=True, cwd=tmp_path)
+    assert read_env_file(tmp_path / ".env") == written
+
+
+def test_no_password_is_kept_in_the_repository():
+    """PostgreSQL's password is in .env like every other secret: not in compose, not in deploy/."""
+    pg = SVC["postgres"]["environment"]
+    assert pg["POSTGRES_PASSWORD"].startswith("${POSTGRES_PASSWORD:?")
+    for name in AIRFLOW_SERVICES + ["airflow-init", *SCALE_SERVICES]:
+        assert SVC[name]["environment"]["PGPASSWORD"] == pg["POSTGRES_PASSWORD"], name
+    for f in (COMMON_ENV_FILE, SCALE_ENV_FILE):
+        for key, value in read_env_file(f).items():
+            if "postgres" in value:
+                url = urlsplit(value.removeprefix("db+"))
+                assert url.password is None and "password=" not in value, (f.name, key)
+
+
+def test_the_chosen_deployment_is_recorded_so_a_later_up_keeps_it(tmp_path):
+    """`make up-scale` writes its choice to .env, which compose reads on every `up`: the env
+    file, the profile (COMPOSE_PROFILES), the workers and the writer slots."""
+    makefile = (REPO / "Makefile").read_text()
+    up_scale = _recipe(makefile, "up-scale")
+    recorded = re.search(r"deploy/dotenv\.sh set ((?:[A-Z_]+=\S*\s*(?:\\\n\t\s*)?)+)", up_scale)
+    assert recorded, up_scale
+    keys = dict(kv.split("=", 1) for kv in recorded.group(1).replace("\\\n", " ").split())
+    assert keys["FEATUREHOUSE_DEPLOYMENT"] == "scale" and keys["COMPOSE_PROFILES"] == "scale"
+    assert {"FEATUREHOUSE_WORKERS", "FEATUREHOUSE_WRITER_SLOTS"} <= set(keys)
+    # ... and what compose reads them for
+    assert "deploy/airflow-${FEATUREHOUSE_DEPLOYMENT:-single}.env" in SVC["scheduler"]["env_file"]
+    assert SVC["airflow-worker"]["deploy"]["replicas"] == "${FEATUREHOUSE_WORKERS:-2}"
+    assert SVC["airflow-init"]["environment"]["FEATUREHOUSE_WRITER_SLOTS"] == "${FEATUREHOUSE_WRITER_SLOTS:-2}"
+    # the script records and replaces, never appends a second value compose would not read
+    env = {"PATH": os.environ["PATH"], "DOTENV": str(tmp_path / ".env")}
+    for kv in ("FEATUREHOUSE_DEPLOYMENT=scale", "FEATUREHOUSE_DEPLOYMENT=single"):
+        subprocess.run(["bash", str(DOTENV), "set", kv, "COMPOSE_PROFILES="], env=env, check=True)
+    assert (tmp_path / ".env").read_text() == "FEATUREHOUSE_DEPLOYMENT=single\nCOMPOSE_PROFILES=\n"
+
+
+@pytest.mark.parametrize("name", ["minio", "minio-init"])
+def test_images_are_pinned_to_a_release(name):
+    image = SVC[name]["image"]
+    assert re.fullmatch(r"minio/(minio|mc):RELEASE\.\d{4}-\d\d-\d\dT\d\d-\d\d-\d\dZ", image), image
+
+
+def test_the_inbox_a_missing_folder_becomes_belongs_to_the_services():
+    """A bind mount Docker has to make is owned by root; inbox-init gives it to AIRFLOW_UID
+    before any Airflow service starts (as root, changing only a folder root owns)."""
+    init = SVC["inbox-init"]
+    assert init["user"] == "0:0" and init["restart"] == "no"
+    assert mounts(init)["/data/inbox"] == mounts(SVC["scheduler"])["/data/inbox"]
+    script = " ".join(command(init))
+    assert 'chown "$$AIRFLOW_UID:0" /data/inbox' in script and "stat -c %u /data/inbox" in script
+    assert SVC["scheduler"]["user"] == f"{init['environment']['AIRFLOW_UID']}:0"  # the same uid
+    for name in [*AIRFLOW_SERVICES, *SCALE_SERVICES]:
+        assert SVC[name]["depends_on"]["inbox-init"] == {"condition": "service_completed_successfully"}, name

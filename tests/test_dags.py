@@ -33,6 +33,7 @@ for dag_id, dag in bag.dags.items():
     for t in dag.tasks:
         tasks[t.task_id] = {
             "pool": t.pool, "retries": t.retries, "backoff": bool(t.retry_exponential_backoff),
+            "trigger_rule": getattr(t.trigger_rule, "value", str(t.trigger_rule)),
             "upstream": sorted(t.upstream_task_ids), "mapped": type(t).__name__.startswith("Mapped") or hasattr(t, "expand_input"),
             "outlets": [getattr(o, "uri", str(o)) for o in (t.outlets or [])],
         }
@@ -159,5 +160,70 @@ def test_a_bad_cron_keeps_the_dag_and_fails_its_plan_task_naming_the_entry(tmp_p
     got = _run(_PLAN_TASK, [str(DAGS)], tmp_path, FEATUREHOUSE_CONFIG=str(cfg))
     assert got["import_errors"] == {}, "a bad cron must not make the DAG file fail to import"
     assert got["summary"] == "0 3 * * *"  # the default, so the mistake surfaces every night
-    assert got["plan_error"] and got["plan_error"].startswith("pipeline.sources.plan.ConfigError: ")
+    # a configuration error is not transient: the task fails at once, without retries
+    assert got["plan_error"] and got["plan_error"].startswith(
+        "airflow.sdk.exceptions.AirflowFailException: pipeline.sources.plan.ConfigError: ")
     assert str(cfg) in got["plan_error"] and f"[schedule] cron '{cron}'" in got["plan_error"]
+
+
+# --- a bad night is not retried for nothing, nor green (issue 20) --------------------------------
+
+_TASK = r"""
+import json, sys
+import pendulum
+from airflow.dag_processing.dagbag import DagBag
+bag = DagBag(dag_folder=sys.argv[1], known_pools={"default_pool", "neuronpedia_api", "warehouse_writer"})
+dag = bag.dags[sys.argv[2]]
+out = {"result": None, "error": None}
+try:  # the task's own code, as a worker runs it for a scheduled run
+    out["result"] = dag.get_task(sys.argv[3]).python_callable(data_interval_start=pendulum.datetime(2026, 11, 28, 3, tz="UTC"))
+except Exception as exc:
+    out["error"] = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+print("JSON:" + json.dumps(out, default=str))
+"""
+
+FAIL_AT_ONCE = "airflow.sdk.exceptions.AirflowFailException: "
+
+
+def test_after_the_plan_only_what_must_run_runs(bag):
+    """units loads what landed when fetch chunks failed, but not when the plan failed (its one
+    success); finish records the run whatever the parts did (and skips when the plan failed)."""
+    t = bag["dags"]["featurehouse_nightly"]["tasks"]
+    assert t["units"]["trigger_rule"] == "all_done_min_one_success"
+    assert t["finish"]["trigger_rule"] == "all_done"
+    assert {k for k, v in t.items() if v["trigger_rule"] != "all_success"} == {"units", "finish"}
+
+
+def test_a_config_mistake_fails_the_plan_at_once_and_leaves_the_inbox_running(tmp_path):
+    cfg = tmp_path / "fh.toml"
+    cfg.write_text('[paths]\ninbox = "drop"\n[[sources]]\nmodel = "m"\nsourse = "s"\nindices = [1]\n')
+    env = {"FEATUREHOUSE_CONFIG": str(cfg), "FEATUREHOUSE_WAREHOUSE": str(tmp_path / "wh"),
+           "FEATUREHOUSE_INBOX": str(tmp_path / "drop")}
+    plan = _run(_TASK, [str(DAGS), "featurehouse_nightly", "plan"], tmp_path, **env)
+    assert plan["error"] and plan["error"].startswith(FAIL_AT_ONCE + "pipeline.sources.plan.ConfigError: ")
+    assert str(cfg) in plan["error"] and "[[sources]] #1: unknown key(s)" in plan["error"]
+    assert "unknown key(s) sourse (did you mean source?)" in plan["error"]
+    drain = _run(_TASK, [str(DAGS), "featurehouse_inbox", "drain"], tmp_path, **env)
+    assert drain["error"] is None and drain["result"]["n_found"] == 0
+
+
+def test_a_bad_environment_value_fails_the_inbox_at_once_naming_it(tmp_path):
+    got = _run(_TASK, [str(DAGS), "featurehouse_inbox", "drain"], tmp_path,
+               FEATUREHOUSE_INBOX=str(tmp_path / "drop"), FEATUREHOUSE_INBOX_SETTLE_SECONDS="abc")
+    assert got["error"] and got["error"].startswith(FAIL_AT_ONCE)
+    assert "FEATUREHOUSE_INBOX_SETTLE_SECONDS must be a number of seconds (0 or more), got 'abc'" in got["error"]
+
+
+def test_an_inbox_run_whose_verdict_is_fail_fails_its_task_after_recording_it(tmp_path):
+    inbox, wh = tmp_path / "drop", tmp_path / "wh"
+    inbox.mkdir()
+    (inbox / "not-a-page.txt").write_bytes((REPO / "samples" / "002_cdcf7f83dd4b10f8.txt").read_bytes())
+    got = _run(_TASK, [str(DAGS), "featurehouse_inbox", "drain"], tmp_path, FEATUREHOUSE_INBOX=str(inbox),
+               FEATUREHOUSE_WAREHOUSE=str(wh), FEATUREHOUSE_INBOX_SETTLE_SECONDS="0")
+    assert got["error"] and got["error"].startswith(FAIL_AT_ONCE)
+    assert "verdict FAIL: 1 new input(s) received, none loaded" in got["error"]
+    # everything was recorded first: the run, and the file out of the inbox
+    assert [p.name for p in inbox.iterdir()] == [".done"]
+    from tests.conftest import query
+
+    assert query(wh, "SELECT n_received, n_rejected FROM runs") == [(1, 1)]

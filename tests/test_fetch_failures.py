@@ -135,3 +135,62 @@ def test_the_report_lists_fetch_failures_escaped(tmp_path):
     assert len(rows) == 2
     assert all("HTTP 502: <html><head><title>502 Bad Gateway</title>" in html.unescape(r) for r in rows)
     assert '<footer>' in raw
+
+
+# --- a source Neuronpedia does not have (issue 20) ------------------------------------------------
+
+
+@pytest.mark.parametrize("start, stop", [(0, 3), (5, 8)])
+def test_a_source_that_does_not_exist_fails_its_fetch_and_the_night(tmp_path, start, stop):
+    """Every URL a 404, and so is the source's feature 0: no such source. The chunk fails (not
+    retried: a ConfigError), the reason is kept in fetch_failures and the verdict is FAIL."""
+    from pipeline.outputs.report import recent_runs
+    from pipeline.sources.plan import ConfigError, SourceNotFound
+    from tests.conftest import open_warehouse
+
+    settings = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(10)) as np:
+        c = chunk(np.base_url, "w-typo", start, stop, source="11-resid-post-ab")
+        with pytest.raises(SourceNotFound) as exc:
+            fetch_chunk(c, settings)
+    assert isinstance(exc.value, ConfigError)
+    msg = str(exc.value)
+    assert f"{MODEL}/11-resid-post-ab" in msg and f"all {stop - start} feature(s) asked for" in msg
+    assert "feature 0" in msg and "no such source" in msg
+
+    summary = ingest_fetched("w-typo", settings, run_id="r-typo", progress=False, report_after=False)
+    assert summary.n_received == 0
+    rows = query(settings, "SELECT status, last_error FROM fetch_failures WHERE run_id = 'r-typo' AND status = 'failed'")
+    assert len(rows) == 1 and "no such source" in rows[0][1]
+    with open_warehouse(settings.warehouse) as conn:
+        (run,) = recent_runs(conn)
+    assert run["verdict"].level == "FAIL"
+
+
+def test_a_range_past_the_end_of_a_source_that_exists_is_not_a_failure(tmp_path):
+    with FakeNeuronpedia(pages=pages(4)) as np:
+        result = fetch_chunk(chunk(np.base_url, "w-past", 10, 12), settings_in(tmp_path))
+        assert np.count(feature_path(0)) == 1  # asked once whether the source exists
+    assert (result["n_not_found"], result["n_failed"]) == (2, 0)
+
+
+@pytest.mark.parametrize("batches, reason", [(None, "is empty"), ([7, 9], "is a batch numbered 7:9")])
+def test_an_exports_source_with_nothing_to_fetch_fails(tmp_path, batches, reason):
+    from pipeline.sources.plan import SourceNotFound
+
+    with FakeNeuronpedia(pages=pages(4), batch_features=8) as np:
+        source = "no-such-sae" if batches is None else SOURCE
+        c = chunk(np.base_url, "w-exp-none", via="exports", batches=batches, source=source,
+                  exports_url=np.exports_url)
+        with pytest.raises(SourceNotFound, match=reason) as exc:
+            fetch_chunk(c, settings_in(tmp_path))
+    assert f"v1/{MODEL}/{source}/" in str(exc.value)
+
+
+def test_all_features_of_a_source_that_has_none_fails(tmp_path):
+    from pipeline.sources.plan import SourceNotFound
+
+    with FakeNeuronpedia(pages=pages(4)) as np:
+        c = chunk(np.base_url, "w-all-none", via="api", all=True, source="no-such-sae")
+        with pytest.raises(SourceNotFound, match="features-offset has no feature"):
+            fetch_chunk(c, settings_in(tmp_path))

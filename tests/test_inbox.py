@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -133,3 +134,84 @@ def test_a_run_killed_half_way_loses_nothing_and_the_next_run_finishes(tmp_path)
     assert result.n_drained == len(left)
     assert rows(wh, "SELECT count(*) FROM raw_inputs WHERE status = 'loaded'")[0][0] == n
     assert rows(wh, "SELECT count(DISTINCT input_sha256) FROM raw_inputs")[0][0] == n
+
+
+# --- what must never block the inbox, nor stay in it for ever (issue 20) ----------------------------
+
+
+def _drain_in_a_subprocess(inbox: Path, wh: Path, run_id: str, **kw) -> dict:
+    """drain_inbox in another process, so that a drain that blocks (on a named pipe) fails the
+    test instead of hanging it."""
+    code = ("import json, sys; from pathlib import Path; from pipeline.config import Settings;"
+            "from pipeline.sources.inbox import drain_inbox;"
+            "r = drain_inbox(sys.argv[1], Settings(warehouse=Path(sys.argv[2])), sys.argv[3], **json.loads(sys.argv[4]));"
+            "print('JSON:' + json.dumps(r.as_dict(), default=str))")
+    proc = subprocess.run([sys.executable, "-c", code, str(inbox), str(wh), run_id, json.dumps(kw)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("JSON:"))[5:])
+
+
+def test_a_named_pipe_and_a_dangling_link_are_refused_with_a_reason_and_the_page_beside_them_loads(tmp_path):
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
+    fill(inbox, [GOOD])
+    (inbox / "again.txt").write_bytes(GOOD.read_bytes() + b"\n")  # other bytes, the same page
+    os.utime(inbox / "again.txt", (0, 0))
+    os.mkfifo(inbox / "pipe")
+    (inbox / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    for name in ("pipe", "gone.txt"):
+        os.utime(inbox / name, (0, 0), follow_symlinks=False)
+
+    result = _drain_in_a_subprocess(inbox, wh, "inbox-odd")
+
+    assert (result["n_found"], result["n_drained"], result["n_refused"]) == (4, 2, 2)
+    reasons = {Path(r["path"]).name: r["reason"] for r in result["refused"]}
+    assert "not a regular file" in reasons["pipe"] and "named pipe" in reasons["pipe"]
+    assert "symbolic link" in reasons["gone.txt"] and "does not exist" in reasons["gone.txt"]
+    assert result["run"]["n_loaded"] == 2 and result["run"]["n_rejected"] == 2
+    assert result["verdict"] == "WARN"  # two of four new inputs rejected: not more than half
+    assert rows(wh, "SELECT count(*) FROM features")[0][0] == 1
+    # they left the inbox (set aside with the run, never read), so the next drain is clean
+    assert sorted(p.name for p in inbox.iterdir()) == [".done", ".refused"]
+    aside = inbox / ".refused" / "inbox-odd"
+    assert (aside / "pipe").is_fifo() and (aside / "gone.txt").is_symlink()
+    again = _drain_in_a_subprocess(inbox, wh, "inbox-next")
+    assert (again["n_found"], again["run_id"]) == (0, None)
+
+
+def test_emptied_subfolders_go_and_folders_still_filling_stay(tmp_path):
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
+    for sub in ("a/b", "c"):
+        (inbox / sub).mkdir(parents=True)
+    shutil.copyfile(GOOD, inbox / "a" / "b" / "page.txt")
+    os.utime(inbox / "a" / "b" / "page.txt", (0, 0))
+    shutil.copyfile(BAD, inbox / "c" / "fresh.txt")  # still being copied: waits, and so does c/
+    result = drain_inbox(inbox, Settings(warehouse=wh), "inbox-subs", settle_seconds=60)
+    assert (result.n_drained, result.n_waiting) == (1, 1)
+    assert sorted(p.relative_to(inbox).as_posix() for p in inbox.iterdir()) == [".done", "c"]
+
+
+def test_drained_files_are_kept_keep_days_then_pruned(tmp_path):
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
+    old, recent = inbox / DONE_DIR / "inbox-old", inbox / DONE_DIR / "inbox-recent"
+    for folder, age_days in ((old, 8), (recent, 6)):
+        folder.mkdir(parents=True)
+        (folder / "page.txt").write_text("landed long ago")
+        when = time.time() - age_days * 86400
+        os.utime(folder / "page.txt", (when, when))
+        os.utime(folder, (when, when))
+    fill(inbox, [GOOD])
+    result = drain_inbox(inbox, Settings(warehouse=wh), "inbox-now", keep_days=7)
+    assert result.n_pruned == 1 and result.n_drained == 1
+    assert sorted(p.name for p in (inbox / DONE_DIR).iterdir()) == ["inbox-now", "inbox-recent"]
+    # an empty drain prunes too (the inbox is drained every ten minutes, mostly empty)
+    assert drain_inbox(inbox, Settings(warehouse=wh), keep_days=0).n_pruned == 2
+
+
+def test_a_drain_whose_every_input_was_rejected_says_fail(tmp_path):
+    inbox, wh = tmp_path / "inbox", tmp_path / "wh"
+    fill(inbox, [BAD])
+    result = drain_inbox(inbox, Settings(warehouse=wh), "inbox-bad")
+    assert result.n_drained == 1  # it landed (as rejected): it leaves the inbox
+    assert result.verdict == "FAIL" and "none loaded" in result.verdict_reason
+    assert result.as_dict()["verdict"] == "FAIL"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def test_env_overrides_the_file(tmp_path):
         ('[schedule]\ncron = "0 3 30 2 *"\n', r"\[schedule\] cron '0 3 30 2 \*' is not a valid cron expression"),
         ('[schedule]\ncron = "0 25 * * *"\n', r"\[schedule\] cron '0 25"),
         ('[schedule]\ncron = "@nightly"\n', r"\[schedule\] cron '@nightly' is not a cron expression"),
-        ('[schedule]\ncron = 3\n', r"\[schedule\] cron 3 must be a string"),
+        ('[schedule]\ncron = 3\n', r"\[schedule\] cron must be a string \(five cron fields, or a preset such as @daily\), got 3"),
         ('[fetch]\nchunk_size = 0\n', "chunk_size"),
         ('[fetch]\nmax_failed_fraction = 1.5\n', r"\[fetch\] max_failed_fraction must be a number from 0 to 1"),
         ('[fetch]\nmax_failed_fraction = "half"\n', r"\[fetch\] max_failed_fraction must be"),
@@ -267,3 +268,116 @@ def test_fetch_failure_settings_reach_every_chunk(tmp_path):
         load_plan(path, env={"FEATUREHOUSE_MAX_FAILED_FRACTION": "lots"})
     defaults = load_plan(write(tmp_path, ""), env={})
     assert (defaults.max_failed_fraction, defaults.max_attempts, defaults.task_retries) == (0.5, 6, 4)
+
+
+# --- the whole file is checked against its schema (issue 20) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, where, key",
+    [
+        ('[paths]\nwarehose = "elsewhere"\n', "[paths]", "warehose"),
+        ('[neuronpedia]\nbase-url = "http://127.0.0.1:9"\n', "[neuronpedia]", "base-url"),
+        ('[inbox]\nsettle_secs = 5\n', "[inbox]", "settle_secs"),
+        ('[schedule]\ncrn = "0 4 * * *"\n', "[schedule]", "crn"),
+        ('[fetch]\nchunk_sise = 10\n', "[fetch]", "chunk_sise"),
+    ],
+)
+def test_an_unknown_key_in_any_section_is_refused_naming_file_section_and_key(tmp_path, text, where, key):
+    path = write(tmp_path, text + '[[sources]]\nmodel = "m"\nsource = "s"\nindices = [1]\n')
+    with pytest.raises(ConfigError) as exc:
+        load_plan(path, env={})
+    msg = str(exc.value)
+    assert str(path) in msg and where in msg and key in msg and "unknown key" in msg
+
+
+@pytest.mark.parametrize(
+    "text, entry",
+    [
+        ("[neuronpedia]\nbase_url = 5\n", "[neuronpedia] base_url must be an http:// or https:// URL, got 5"),
+        ("[paths]\nwarehouse = 5\n", "[paths] warehouse must be a folder (a non-empty string), got 5"),
+        ('[neuronpedia]\nexports_url = "neuronpedia-datasets"\n', "[neuronpedia] exports_url must be an http"),
+        ('[inbox]\nsettle_seconds = "soon"\n', "[inbox] settle_seconds must be a number of seconds"),
+        ('[paths]\ninbox = ["a"]\n', "[paths] inbox must be a folder"),
+        ('paths = "warehouse"\n', "[paths] must be a table"),
+        ('[fetch]\nconcurrency = true\n', "[fetch] concurrency must be a positive integer, got True"),
+        ('sources = 3\n', "sources must be an array of tables ([[sources]]), got 3"),
+        ('[[sources]]\nmodel = 5\nsource = "s"\nindices = [1]\n', "[[sources]] #1 model must be a non-empty string"),
+        ('[[sources]]\nmodel = "m"\nsource = "s"\nall = "yes"\n', "[[sources]] #1 (m/s) all must be true or false"),
+    ],
+)
+def test_a_wrong_type_is_refused_naming_file_and_entry(tmp_path, text, entry):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as exc:
+        load_plan(path, env={})
+    assert str(path) in str(exc.value) and entry in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "name, value, message",
+    [
+        ("FEATUREHOUSE_INBOX_SETTLE_SECONDS", "abc", "FEATUREHOUSE_INBOX_SETTLE_SECONDS must be a number of seconds"),
+        ("FEATUREHOUSE_API_SLOTS", "four", "FEATUREHOUSE_API_SLOTS must be a positive integer, got 'four'"),
+        ("FEATUREHOUSE_API_SLOTS", "0", "FEATUREHOUSE_API_SLOTS must be a positive integer, got '0'"),
+        ("NEURONPEDIA_BASE_URL", "www.neuronpedia.org", "NEURONPEDIA_BASE_URL must be an http:// or https:// URL"),
+        ("FEATUREHOUSE_INBOX_KEEP_DAYS", "a week", "FEATUREHOUSE_INBOX_KEEP_DAYS must be a number of days"),
+    ],
+)
+def test_a_bad_environment_value_is_refused_naming_the_variable(tmp_path, name, value, message):
+    path = write(tmp_path, '[[sources]]\nmodel = "m"\nsource = "s"\nindices = [1]\n')
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_plan(path, env={name: value})
+
+
+@pytest.mark.parametrize("name, value", [("FEATUREHOUSE_LOCK_TIMEOUT", "soon"), ("FEATUREHOUSE_BATCH_BYTES", "64MB")])
+def test_a_bad_setting_in_the_environment_is_refused_naming_the_variable(monkeypatch, name, value):
+    from pipeline.config import BadSetting, Settings
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(BadSetting, match=f"{name} must be .*, got '{value}'"):
+        Settings.from_env()
+
+
+def test_a_file_without_sources_is_a_config_error_for_the_nightly(tmp_path):
+    plan = load_plan(write(tmp_path, '[paths]\nwarehouse = "wh"\n'), env={})
+    with pytest.raises(ConfigError, match=r"no \[\[sources\]\]") as exc:
+        chunks(plan, "w")
+    assert str(plan.config_path) in str(exc.value)
+
+
+def test_the_inbox_reads_only_paths_and_inbox(tmp_path):
+    """A mistake in a nightly source does not stop the inbox; one in [paths] or [inbox] does."""
+    from pipeline.sources.plan import load_inbox_plan
+
+    path = write(tmp_path, '[paths]\ninbox = "drop"\n[inbox]\nsettle_seconds = 5\nkeep_days = 2\n'
+                           '[fetch]\nchunk_sise = 1\n[[sources]]\nmodel = "m"\nsourse = "s"\n')
+    inbox = load_inbox_plan(path, env={})
+    assert (inbox.inbox, inbox.warehouse, inbox.settle_seconds, inbox.keep_days) == (
+        tmp_path / "drop", tmp_path / "warehouse", 5.0, 2.0)
+    assert load_inbox_plan(path, env={"FEATUREHOUSE_INBOX": "/x"}).inbox == Path("/x")
+    for bad, entry in [('[paths]\nwarehose = "x"\n', "[paths]: unknown key(s) warehose"),
+                       ('[pahts]\ninbox = "x"\n', "unknown section(s) [pahts]"),
+                       ('[inbox]\nsettle_seconds = -1\n', "[inbox] settle_seconds must be")]:
+        with pytest.raises(ConfigError, match=re.escape(entry)):
+            load_inbox_plan(write(tmp_path, bad), env={})
+    with pytest.raises(ConfigError, match="FEATUREHOUSE_INBOX_SETTLE_SECONDS"):
+        load_inbox_plan(write(tmp_path, ""), env={"FEATUREHOUSE_INBOX_SETTLE_SECONDS": "abc"})
+
+
+def test_the_schema_is_valid_and_the_repo_config_lists_every_key():
+    """The schema is the one description of the file: the repository's featurehouse.toml shows
+    every key it allows (set, or in a comment)."""
+    import json
+
+    import jsonschema
+
+    from pipeline.config import SCHEMAS_DIR
+
+    schema = json.loads((SCHEMAS_DIR / "featurehouse.toml.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    text = DEFAULT_CONFIG.read_text()
+    for section, sub in schema["properties"].items():
+        assert f"[{section}]" in text, section
+        keys = sub.get("properties") or schema["$defs"]["source"]["properties"]
+        for key in keys:
+            assert re.search(rf"^#? ?{key} = ", text, re.M), f"{section}.{key} is not shown in featurehouse.toml"

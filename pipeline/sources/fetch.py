@@ -60,6 +60,8 @@ __all__ = [
     "ingest_unit",
     "finish_fetched",
     "in_unit",
+    "missing_source",
+    "settle_source",
     "manifest_path",
     "read_manifest",
     "BadApiKey",
@@ -84,6 +86,12 @@ class FetchResult:
     failures: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
     manifest: str = ""
+    n_listed: int | None = None
+    """Exports: the files the bucket lists under the source (None for the API)."""
+    n_batches: int | None = None
+    """Exports: the batch files chosen among them (None for the API)."""
+    missing_source: str | None = None
+    """Why the source does not exist, when :func:`settle_source` found so (else None)."""
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -200,7 +208,7 @@ class _Fetcher:
 
 def _feature_job(client: Client, landing: Where, base_url: str, model: str, source: str, index: int,
                  max_bytes: int) -> _Job:
-    url = f"{base_url.rstrip('/')}/api/feature/{quote(model, safe='')}/{quote(source, safe='')}/{index}"
+    url = _feature_url(base_url, model, source, index)
 
     def run() -> dict[str, Any]:
         body = client.get_json_body(url, with_key=True)
@@ -233,6 +241,86 @@ def _show(progress: bool | None, total: int | None) -> bool:
     return progress if progress is not None else (total is None or total > 20)
 
 
+def _feature_url(base_url: str, model: str, source: str, index: int) -> str:
+    return f"{base_url.rstrip('/')}/api/feature/{quote(model, safe='')}/{quote(source, safe='')}/{index}"
+
+
+# --- whether a source exists ---------------------------------------------------------------
+
+
+def missing_source(result: FetchResult, model: str, source: str, *, asked: range | None = None,
+                   all_features: bool = False, batches: range | None = None, base_url: str = DEFAULT_BASE_URL,
+                   api_key: str | None = None, timeout: float = 30.0, max_attempts: int = 6,
+                   backoff: float = 1.0, settings: Settings | None = None) -> str | None:
+    """Why ``model``/``source`` does not exist, judging by what a fetch found, or None.
+
+    - feature indices (``asked``): every one asked for was a 404, and so is the source's
+      feature 0 (Neuronpedia numbers a source's features from 0; asked once, only then). When
+      feature 0 is there the range is past the source's end: merely not found. When the site
+      cannot say (failing itself), nothing is decided here.
+    - ``all_features``: features-offset had no feature at all (an empty first page).
+    - exports (``result.n_listed`` set): the listing is empty, or holds no batch file (in
+      ``batches``).
+    """
+    if result.n_listed is not None:
+        prefix = export_prefix(model, source)
+        if result.n_listed == 0:
+            return f"the export listing of {prefix} is empty: no such source in the bucket"
+        if not result.n_batches:
+            return (f"none of the {result.n_listed} export file(s) under {prefix} is a batch numbered "
+                    f"{batches.start}:{batches.stop}" if batches is not None
+                    else f"the export listing of {prefix} holds no batch file")
+        return None
+    if all_features:
+        settings = settings or Settings.from_env()
+        first = read_manifest(manifest_path(result.window, settings)).get(f"{model}/{source}/offset/0", {})
+        return (f"features-offset has no feature of it (an empty first page): no such source on {base_url}"
+                if first.get("status") == "empty" else None)
+    if not (result.n_requested and result.n_not_found == result.n_requested and not result.n_skipped_already_landed):
+        return None
+    if asked is None or 0 not in asked:
+        url = _feature_url(base_url, model, source, 0)
+        client = Client(api_key=api_key, timeout=timeout, max_attempts=max_attempts, concurrency=1,
+                        requests_per_hour=3600, backoff=backoff, max_backoff=60.0)
+        try:
+            client.call(url, lambda: client.get_json_body(url, with_key=True))
+            return None  # feature 0 is there: the source exists
+        except NotFound:
+            pass
+        except (FetchFailed, Cancelled):
+            return None  # the site cannot say now
+        finally:
+            client.close()
+    return (f"all {result.n_requested} feature(s) asked for were not found (HTTP 404), and neither is "
+            f"feature 0: no such source on {base_url}")
+
+
+def settle_source(result: FetchResult, model: str, source: str, url: str, missing: str | None,
+                  settings: Settings | None = None) -> None:
+    """Record in the window's manifest what is known of the source itself (key ``model/source``,
+    ``kind`` "source"): a failed URL when ``missing`` says it does not exist, which
+    ``fetch_failures`` then keeps with the reason; "found" when it does and an earlier attempt
+    of the window said otherwise, so that only the latest word is recorded. ``result`` counts
+    the failure."""
+    settings = settings or Settings.from_env()
+    key = f"{model}/{source}"
+    manifest = Manifest(manifest_path(result.window, settings))
+    try:
+        if missing is None and manifest.entries.get(key, {}).get("status") != "failed":
+            return
+        entry = {"key": key, "url": url, "kind": "source", "model": model, "source": source,
+                 "status": "failed" if missing else "found", "attempts": 1 if missing else 0,
+                 "http_status": 404 if missing else None, "sha256": None, "landed_path": None,
+                 "last_error": missing, "fetched_at": utcnow().isoformat()}
+        manifest.append(entry)
+    finally:
+        manifest.close()
+    if missing:
+        result.missing_source = missing
+        result.n_failed += 1
+        result.failures.append({k: entry.get(k) for k in ("url", "key", "http_status", "attempts", "last_error")})
+
+
 def fetch_features(
     model: str,
     source: str,
@@ -261,6 +349,7 @@ def fetch_features(
     honouring ``Retry-After``; a 404 is recorded as "feature not found". Each URL's outcome
     is appended to the window's manifest; URLs the manifest says already landed in this
     ``window`` are skipped. The warehouse is not touched: call :func:`ingest_fetched` next.
+    Whether the source exists at all is :func:`missing_source`'s question.
     """
     if (indices is None) == (not all_features):
         raise ValueError("give either feature indices or all_features=True (not both, not neither)")
@@ -355,6 +444,7 @@ def fetch_exports(
                                                                   lambda: client.get_bytes(url, params))[0]):
             objects.extend(page)
         chosen = select_exports(objects, prefix, batches)
+        result.n_listed, result.n_batches = len(objects), sum("/batch-" in o.key for o in chosen)
         if not chosen:
             log.warning("no export files under %s/%s", bucket, prefix)
         landing = settings.landing_root

@@ -4,23 +4,36 @@ The plan is library code so that it can be tested without Airflow: the nightly D
 :func:`load_plan`, then :func:`chunks` to get the list its fetch task is mapped over, then
 :func:`fetch_chunk` inside each mapped task. Everything a chunk needs travels in a small dict.
 
-Every setting in the file can be overridden by an environment variable, so that tests and
-deployments point the same file at another server or folder:
+The whole file is checked against ``schemas/featurehouse.toml.schema.json`` first: an unknown
+section or key, or a value of the wrong type, is a :class:`ConfigError` naming the file, the
+section and the key. Settings can be overridden by environment variables (the schema's
+``x-env``), so that tests and deployments point the same file at another server or folder; a
+variable's value is held to the same rule, and a bad one is refused naming the variable:
 
-=================================  ====================================
-``FEATUREHOUSE_CONFIG``            path of the toml file itself
-``FEATUREHOUSE_SCHEDULE``          ``[schedule] cron``
-``FEATUREHOUSE_WAREHOUSE``         ``[paths] warehouse``
-``FEATUREHOUSE_INBOX``             ``[paths] inbox``
-``FEATUREHOUSE_INBOX_SETTLE_SECONDS``  ``[inbox] settle_seconds``
-``NEURONPEDIA_BASE_URL``           ``[neuronpedia] base_url``
-``NEURONPEDIA_EXPORTS_URL``        ``[neuronpedia] exports_url``
-``FEATUREHOUSE_MAX_FAILED_FRACTION``  ``[fetch] max_failed_fraction``
-=================================  ====================================
+======================================  ====================================
+``FEATUREHOUSE_CONFIG``                 path of the toml file itself
+``FEATUREHOUSE_SCHEDULE``               ``[schedule] cron``
+``FEATUREHOUSE_WAREHOUSE``              ``[paths] warehouse``
+``FEATUREHOUSE_INBOX``                  ``[paths] inbox``
+``FEATUREHOUSE_INBOX_SETTLE_SECONDS``   ``[inbox] settle_seconds``
+``FEATUREHOUSE_INBOX_KEEP_DAYS``        ``[inbox] keep_days``
+``NEURONPEDIA_BASE_URL``                ``[neuronpedia] base_url``
+``NEURONPEDIA_EXPORTS_URL``             ``[neuronpedia] exports_url``
+``FEATUREHOUSE_MAX_FAILED_FRACTION``    ``[fetch] max_failed_fraction``
+``FEATUREHOUSE_API_SLOTS``              (no key) fetch tasks at once, the ``neuronpedia_api`` pool's slots
+======================================  ====================================
+
+The nightly DAG reads the file once, in its ``plan`` task; every chunk and ingest unit carries
+the warehouse it writes, so the tasks after it never read the file again. The inbox DAG reads
+only ``[paths]`` and ``[inbox]`` (:func:`load_inbox_plan`): a mistake in a nightly source does
+not stop it.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import json
 import math
 import os
 import re
@@ -30,6 +43,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..config import SCHEMAS_DIR, BadSetting, Settings
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -37,11 +52,16 @@ else:  # pragma: no cover
 
 __all__ = [
     "ConfigError",
+    "SourceNotFound",
     "cron_problem",
     "SourcePlan",
     "Plan",
+    "InboxPlan",
     "DEFAULT_CONFIG",
+    "CONFIG_SCHEMA",
     "load_plan",
+    "load_inbox_plan",
+    "settings_of",
     "chunks",
     "window_for",
     "run_id_for",
@@ -52,13 +72,19 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "featurehouse.toml"
+CONFIG_SCHEMA = "featurehouse.toml.schema.json"
+"""The file's JSON Schema, in ``schemas/``: every section and key, its type and range, in words."""
 DEFAULT_SCHEDULE = "0 3 * * *"
 DEFAULT_MAX_MAP_LENGTH = 1024
 """Airflow's ``[core] max_map_length`` default: a mapped task may expand to at most this many."""
 
 
-class ConfigError(ValueError):
-    "featurehouse.toml is missing, unreadable, or names something it cannot mean."
+class ConfigError(BadSetting):
+    "featurehouse.toml (or a variable overriding it) is missing, unreadable, or says something it cannot mean: not transient."
+
+
+class SourceNotFound(ConfigError):
+    "featurehouse.toml names a source Neuronpedia does not have: every URL of it was not found, or its export listing is empty."
 
 
 class FetchChunkFailed(RuntimeError):
@@ -130,6 +156,9 @@ class Plan:
     """Folder the inbox DAG drains; relative paths are taken from the config file's folder."""
     inbox_settle_seconds: float = 30.0
     """A file in the inbox is left alone until it has not changed for this long (still being copied)."""
+    inbox_keep_days: float = 7.0
+    """Drained files stay under ``<inbox>/.done/<run id>/`` (refused ones under ``.refused/``)
+    this many days, then are deleted: their bytes are in the landing area."""
     base_url: str = "https://www.neuronpedia.org"
     """Neuronpedia's site, for the feature API."""
     exports_url: str = "https://neuronpedia-datasets.s3.amazonaws.com"
@@ -156,6 +185,21 @@ class Plan:
     task_retry_delay: float = 60.0
     """Seconds before the first retry of a failed fetch task, doubling after each."""
     sources: tuple[SourcePlan, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class InboxPlan:
+    """What the inbox DAG reads from ``featurehouse.toml``: ``[paths]`` and ``[inbox]`` only."""
+
+    config_path: Path
+    warehouse: Path
+    """The warehouse folder (as :attr:`Plan.warehouse`)."""
+    inbox: Path
+    """The folder to drain (as :attr:`Plan.inbox`)."""
+    settle_seconds: float = 30.0
+    """As :attr:`Plan.inbox_settle_seconds`."""
+    keep_days: float = 7.0
+    """As :attr:`Plan.inbox_keep_days`."""
 
 
 _RANGE = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
@@ -190,21 +234,11 @@ def _merge(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple((a, b) for a, b in out)
 
 
-def _source(entry: Any, n: int) -> SourcePlan:
-    where = f"[[sources]] #{n + 1}"
-    if not isinstance(entry, dict):
-        raise ConfigError(f"{where} must be a table")
-    unknown = set(entry) - {"model", "source", "via", "indices", "all", "batches"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    model, source = entry.get("model"), entry.get("source")
-    if not isinstance(model, str) or not model or not isinstance(source, str) or not source:
-        raise ConfigError(f"{where} needs a model and a source (non-empty strings)")
-    where = f"{where} ({model}/{source})"
-    via = entry.get("via", "api")
-    if via not in ("api", "exports"):
-        raise ConfigError(f"{where}: via must be \"api\" or \"exports\", not {via!r}")
-    if via == "exports":
+def _source(entry: dict[str, Any], n: int) -> SourcePlan:
+    """One ``[[sources]]`` table, its keys and types already checked by the schema."""
+    model, source = entry["model"], entry["source"]
+    where = f"[[sources]] #{n + 1} ({model}/{source})"
+    if entry.get("via", "api") == "exports":
         if "indices" in entry or entry.get("all"):
             raise ConfigError(f"{where}: exports fetch the whole source; drop indices/all")
         batches = _parse_range(entry["batches"], where) if "batches" in entry else None
@@ -212,8 +246,6 @@ def _source(entry: Any, n: int) -> SourcePlan:
     if "batches" in entry:
         raise ConfigError(f"{where}: batches only apply to via = \"exports\"")
     all_features = entry.get("all", False)
-    if not isinstance(all_features, bool):
-        raise ConfigError(f"{where}: all must be true or false")
     specs = entry.get("indices", [])
     if not isinstance(specs, list):
         specs = [specs]
@@ -225,100 +257,199 @@ def _source(entry: Any, n: int) -> SourcePlan:
     return SourcePlan(model, source, "api", ranges=ranges, all_features=all_features)
 
 
-def _positive(value: Any, name: str, kind: type = int) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (kind is int and (value == 0 or value != int(value))):
-        raise ConfigError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {value!r}")
-    return kind(value)
+# --- the file, checked against its schema ---------------------------------------------------------
+
+#: Settings only the environment gives (no key in the file), held to a rule like the schema's.
+_ENV_ONLY = {"FEATUREHOUSE_API_SLOTS": {"type": "integer", "minimum": 1, "x-must-be": "a positive integer"}}
 
 
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name} must be a whole number ≥ 0, got {value!r}")
+@functools.lru_cache(maxsize=1)
+def _schema() -> dict[str, Any]:
+    return json.loads((SCHEMAS_DIR / CONFIG_SCHEMA).read_text())
+
+
+def _resolve(sub: dict[str, Any]) -> dict[str, Any]:
+    ref = sub.get("$ref", "")
+    return _schema()["$defs"][ref.rsplit("/", 1)[-1]] | {k: v for k, v in sub.items() if k != "$ref"} \
+        if ref.startswith("#/$defs/") else sub
+
+
+def _rule(path: tuple) -> str | None:
+    """The rule in words (``x-must-be``) of the nearest entry holding ``path``."""
+    subs = [_schema()]
+    for k in path:
+        sub = _resolve(subs[-1])
+        subs.append(sub.get("items", {}) if isinstance(k, int) else sub.get("properties", {}).get(k, {}))
+    return next((_resolve(s)["x-must-be"] for s in reversed(subs) if "x-must-be" in _resolve(s)), None)
+
+
+def _where(path: tuple, raw: dict[str, Any]) -> str:
+    """An entry as a person finds it in the file: ``[fetch] chunk_size``, ``[[sources]] #2 (m/s) via``."""
+    if not path:
+        return "the file"
+    section, rest = path[0], path[1:]
+    label = f"[{section}]"
+    if section == "sources":
+        if not rest:
+            return "sources"
+        entry, label = raw["sources"][rest[0]], f"[[sources]] #{rest[0] + 1}"
+        if isinstance(entry, dict) and isinstance(entry.get("model"), str) and isinstance(entry.get("source"), str):
+            label += f" ({entry['model']}/{entry['source']})"
+        rest = rest[1:]
+    return label + "".join(f" {k}" if isinstance(k, str) else f"[{k}]" for k in rest)
+
+
+def _problem(error, raw: dict[str, Any]) -> str:
+    """A schema error in words, naming the section and the key."""
+    path, where = tuple(error.absolute_path), _where(tuple(error.absolute_path), raw)
+    if error.validator == "additionalProperties":
+        known = sorted(error.schema.get("properties", {}))
+
+        def named(k: str) -> str:
+            close = difflib.get_close_matches(k, known, 1)
+            shown = f"[{k}]" if not path else k
+            return f"{shown} (did you mean {f'[{close[0]}]' if not path else close[0]}?)" if close else shown
+
+        unknown = ", ".join(named(k) for k in sorted(set(error.instance) - set(known)))
+        if not path:
+            return f"unknown section(s) {unknown}; the sections are {', '.join(f'[{k}]' for k in known)}"
+        return f"{where}: unknown key(s) {unknown}; its keys are {', '.join(known)}"
+    if error.validator == "required":
+        return f"{where} needs " + " and ".join(f"a {k}" for k in error.validator_value if k not in error.instance)
+    rule = _rule(path)
+    return f"{where} must be {rule}, got {error.instance!r}" if rule else f"{where}: {error.message}"
+
+
+def _check(raw: dict[str, Any]) -> None:
+    """Hold the file to the schema; every mistake at once, in the file's order."""
+    import jsonschema  # a dependency of the pipeline; imported when a file is read
+
+    errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(raw),
+                    key=lambda e: [str(p) for p in e.absolute_path])
+    problems = list(dict.fromkeys(_problem(e, raw) for e in errors))
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _env_value(name: str, raw: str, rule: dict[str, Any]) -> Any:
+    """An environment variable's value, converted to its key's type and held to its rule."""
+    import jsonschema
+
+    bad = ConfigError(f"{name} must be {rule['x-must-be']}, got {raw!r}")
+    try:
+        value: Any = {"integer": int, "number": float}.get(rule.get("type"), str)(raw.strip())
+    except ValueError:
+        raise bad from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad
+    if next(jsonschema.Draft202012Validator(rule).iter_errors(value), None) is not None:
+        raise bad
     return value
 
 
-def _fraction(from_env: str | None, from_file: Any) -> float:
-    name = "FEATUREHOUSE_MAX_FAILED_FRACTION" if from_env else "[fetch] max_failed_fraction"
-    value: Any = from_file
-    if from_env:
-        try:
-            value = float(from_env)
-        except ValueError:
-            value = from_env
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ConfigError(f"{name} must be a number from 0 to 1 (a share of a chunk's URLs), got {value!r}")
-    return float(value)
+def _only(raw: dict[str, Any], sections: tuple[str, ...]) -> dict[str, Any]:
+    """The file as a reader of ``sections`` alone sees it: those sections, and unknown ones whose
+    name is close to theirs (a misspelt ``[pahts]`` is its mistake; a misspelt nightly section is not)."""
+    known = set(_schema()["properties"])
+    return {k: v for k, v in raw.items()
+            if k in sections or (k not in known and difflib.get_close_matches(k, sections, 1, 0.7))}
 
 
-def load_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Plan:
-    """Read ``featurehouse.toml`` (``path``, else ``$FEATUREHOUSE_CONFIG``, else the repo's) into a Plan.
-
-    Environment variables override the file (see the module docstring); relative paths in the
-    file are resolved against the file's folder. Raises :class:`ConfigError` naming the file and
-    the entry when something is wrong.
-    """
+def _load(path: str | os.PathLike | None, env: dict[str, str] | os._Environ | None,
+          sections: tuple[str, ...] | None = None) -> tuple[Path, dict[str, Any], dict[tuple[str, str], str]]:
+    """Read the file, check it (``sections``: only those), and apply the environment's overrides.
+    Returns the file, its values, and which of them a variable gave (key → variable)."""
     env = os.environ if env is None else env
     config_path = Path(path or env.get("FEATUREHOUSE_CONFIG") or DEFAULT_CONFIG).resolve()
     try:
         raw = tomllib.loads(config_path.read_text())
     except FileNotFoundError as exc:
         raise ConfigError(f"no config file at {config_path} (set FEATUREHOUSE_CONFIG)") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{config_path} cannot be read: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{config_path} is not valid TOML: {exc}") from exc
     try:
-        return _plan(raw, config_path, env)
+        raw = raw if sections is None else _only(raw, sections)
+        _check(raw)
+        values = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+        given: dict[tuple[str, str], str] = {}
+        for section, sub in _schema()["properties"].items():
+            if sections is not None and section not in sections:
+                continue
+            for key, rule in sub.get("properties", {}).items():
+                name = rule.get("x-env")
+                if name and (env.get(name) or "").strip():
+                    values.setdefault(section, {})[key] = _env_value(name, env[name], rule)
+                    given[(section, key)] = name
+    except ConfigError as exc:
+        raise ConfigError(f"{config_path}: {exc}") from None
+    return config_path, values, given
+
+
+def _path(values: dict[str, Any], given: dict[tuple[str, str], str], config_path: Path, key: str) -> Path:
+    """``[paths] key``: from the environment as given; from the file, relative to its folder."""
+    value = values.get("paths", {}).get(key, key)
+    if ("paths", key) in given:
+        return Path(value)
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else config_path.parent / p
+
+
+def load_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> Plan:
+    """Read ``featurehouse.toml`` (``path``, else ``$FEATUREHOUSE_CONFIG``, else the repo's) into a Plan.
+
+    The whole file is held to ``schemas/featurehouse.toml.schema.json``; environment variables
+    override it (see the module docstring) and are held to the same rules; relative paths in the
+    file are resolved against the file's folder. Raises :class:`ConfigError` naming the file and
+    the entry (or the variable) when something is wrong.
+    """
+    env = os.environ if env is None else env
+    config_path, values, given = _load(path, env)
+    try:
+        return _plan(config_path, values, given, env)
     except ConfigError as exc:
         raise ConfigError(f"{config_path}: {exc}") from None
 
 
-def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Environ) -> Plan:
-    unknown = set(raw) - {"schedule", "paths", "inbox", "neuronpedia", "fetch", "sources"}
-    if unknown:
-        raise ConfigError(f"unknown section(s) {', '.join(sorted(unknown))}")
-    schedule = raw.get("schedule", {})
-    paths = raw.get("paths", {})
-    inbox = raw.get("inbox", {})
-    api = raw.get("neuronpedia", {})
-    fetch = raw.get("fetch", {})
-    here = config_path.parent
+def load_inbox_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> InboxPlan:
+    """What the inbox DAG needs: ``[paths]`` and ``[inbox]`` (checked, with their overrides).
+    The nightly's sections are not read, so a mistake there does not stop the inbox."""
+    config_path, values, given = _load(path, env, ("paths", "inbox"))
+    inbox = values.get("inbox", {})
+    return InboxPlan(config_path=config_path, warehouse=_path(values, given, config_path, "warehouse"),
+                     inbox=_path(values, given, config_path, "inbox"),
+                     settle_seconds=float(inbox.get("settle_seconds", InboxPlan.settle_seconds)),
+                     keep_days=float(inbox.get("keep_days", InboxPlan.keep_days)))
 
-    def path_of(value: str) -> Path:
-        p = Path(value).expanduser()
-        return p if p.is_absolute() else here / p
 
-    cron = env.get("FEATUREHOUSE_SCHEDULE") or schedule.get("cron", DEFAULT_SCHEDULE)
+def _plan(config_path: Path, values: dict[str, Any], given: dict[tuple[str, str], str],
+          env: dict[str, str] | os._Environ) -> Plan:
+    schedule, inbox, api, fetch = (values.get(k, {}) for k in ("schedule", "inbox", "neuronpedia", "fetch"))
+    cron = schedule.get("cron", DEFAULT_SCHEDULE)
     if (problem := cron_problem(cron)) is not None:
-        where = "FEATUREHOUSE_SCHEDULE" if env.get("FEATUREHOUSE_SCHEDULE") else "[schedule] cron"
-        raise ConfigError(f"{where} {cron!r} {problem}")
-    settle = env.get("FEATUREHOUSE_INBOX_SETTLE_SECONDS")
-    sources = raw.get("sources", [])
-    if not isinstance(sources, list):
-        raise ConfigError("sources must be an array of tables ([[sources]])")
+        raise ConfigError(f"{given.get(('schedule', 'cron'), '[schedule] cron')} {cron!r} {problem}")
+    slots = {name: _env_value(name, env[name], rule) for name, rule in _ENV_ONLY.items()
+             if (env.get(name) or "").strip()}
     plan = Plan(
         config_path=config_path,
         schedule=cron,
-        warehouse=Path(env["FEATUREHOUSE_WAREHOUSE"]) if env.get("FEATUREHOUSE_WAREHOUSE")
-        else path_of(paths.get("warehouse", "warehouse")),
-        inbox=Path(env["FEATUREHOUSE_INBOX"]) if env.get("FEATUREHOUSE_INBOX")
-        else path_of(paths.get("inbox", "inbox")),
-        inbox_settle_seconds=_positive(
-            float(settle) if settle else inbox.get("settle_seconds", 30.0), "[inbox] settle_seconds", float
-        ),
-        base_url=(env.get("NEURONPEDIA_BASE_URL") or api.get("base_url", Plan.base_url)).rstrip("/"),
-        exports_url=(env.get("NEURONPEDIA_EXPORTS_URL") or api.get("exports_url", Plan.exports_url)).rstrip("/"),
-        chunk_size=_positive(fetch.get("chunk_size", Plan.chunk_size), "[fetch] chunk_size"),
-        concurrency=_positive(fetch.get("concurrency", Plan.concurrency), "[fetch] concurrency"),
-        requests_per_hour=_positive(fetch.get("requests_per_hour", Plan.requests_per_hour), "[fetch] requests_per_hour"),
-        parallel_fetches=_positive(int(env.get("FEATUREHOUSE_API_SLOTS") or Plan.parallel_fetches),
-                                   "FEATUREHOUSE_API_SLOTS"),
-        max_failed_fraction=_fraction(env.get("FEATUREHOUSE_MAX_FAILED_FRACTION"),
-                                      fetch.get("max_failed_fraction", Plan.max_failed_fraction)),
-        max_attempts=_positive(fetch.get("max_attempts", Plan.max_attempts), "[fetch] max_attempts"),
-        backoff=_positive(fetch.get("backoff", Plan.backoff), "[fetch] backoff", float),
-        task_retries=_count(fetch.get("task_retries", Plan.task_retries), "[fetch] task_retries"),
-        task_retry_delay=_positive(fetch.get("task_retry_delay", Plan.task_retry_delay),
-                                   "[fetch] task_retry_delay", float),
-        sources=tuple(_source(e, i) for i, e in enumerate(sources)),
+        warehouse=_path(values, given, config_path, "warehouse"),
+        inbox=_path(values, given, config_path, "inbox"),
+        inbox_settle_seconds=float(inbox.get("settle_seconds", Plan.inbox_settle_seconds)),
+        inbox_keep_days=float(inbox.get("keep_days", Plan.inbox_keep_days)),
+        base_url=api.get("base_url", Plan.base_url).rstrip("/"),
+        exports_url=api.get("exports_url", Plan.exports_url).rstrip("/"),
+        chunk_size=int(fetch.get("chunk_size", Plan.chunk_size)),
+        concurrency=int(fetch.get("concurrency", Plan.concurrency)),
+        requests_per_hour=int(fetch.get("requests_per_hour", Plan.requests_per_hour)),
+        parallel_fetches=slots.get("FEATUREHOUSE_API_SLOTS", Plan.parallel_fetches),
+        max_failed_fraction=float(fetch.get("max_failed_fraction", Plan.max_failed_fraction)),
+        max_attempts=int(fetch.get("max_attempts", Plan.max_attempts)),
+        backoff=float(fetch.get("backoff", Plan.backoff)),
+        task_retries=int(fetch.get("task_retries", Plan.task_retries)),
+        task_retry_delay=float(fetch.get("task_retry_delay", Plan.task_retry_delay)),
+        sources=tuple(_source(e, i) for i, e in enumerate(values.get("sources", []))),
     )
     seen: set[tuple[str, str]] = set()
     for s in plan.sources:
@@ -326,6 +457,12 @@ def _plan(raw: dict[str, Any], config_path: Path, env: dict[str, str] | os._Envi
             raise ConfigError(f"{s.model}/{s.source} is listed twice; merge its indices into one entry")
         seen.add((s.model, s.source))
     return plan
+
+
+def settings_of(item: dict[str, Any]) -> Settings:
+    """The settings a fetch chunk or an ingest unit runs with: its plan's warehouse (the
+    ``warehouse`` it carries), the rest from the environment."""
+    return Settings.from_env(warehouse=item.get("warehouse"))
 
 
 def window_for(key: datetime, dag_id: str = "featurehouse_nightly") -> str:
@@ -351,8 +488,13 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
     when that would make more chunks than Airflow may map (every source keeps at least one chunk
     of its own). A source fetched whole (``all = true`` or exports) is one chunk. Chunks carry
     ranges, never lists of indices, so a chunk of 100,000 features is still a few bytes of XCom.
-    Raises :class:`ConfigError` when even one chunk per source exceeds the limit.
+    Every chunk carries the plan's ``warehouse``, so the tasks that follow need not read the
+    file again. Raises :class:`ConfigError` when the plan lists no source (a night that would
+    fetch nothing is a mistake, not a green night) or even one chunk per source exceeds the limit.
     """
+    if not plan.sources:
+        raise ConfigError(f"{plan.config_path}: no [[sources]]: the nightly run would fetch nothing; "
+                          "list at least one source to fetch (see docs/nightly.md)")
     if max_map_length < 1:
         raise ConfigError(f"max_map_length must be at least 1, got {max_map_length}")
     whole = [s for s in plan.sources if s.via == "exports" or s.all_features]
@@ -372,7 +514,8 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
     # Chunks run side by side, each with its own rate limiter: split the budget between them so
     # that together they stay under it.
     per_task = max(1, plan.requests_per_hour // max(1, plan.parallel_fetches))
-    common = {"window": window, "base_url": plan.base_url, "exports_url": plan.exports_url,
+    common = {"window": window, "warehouse": str(plan.warehouse), "base_url": plan.base_url,
+              "exports_url": plan.exports_url,
               "concurrency": plan.concurrency, "requests_per_hour": per_task,
               "max_attempts": plan.max_attempts, "backoff": plan.backoff,
               "max_failed_fraction": plan.max_failed_fraction}
@@ -410,9 +553,18 @@ def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None
     ``max_failed_fraction`` (``[fetch] max_failed_fraction``, default 0.5) of them: the Airflow
     task then fails and is retried (a retry asks only for what did not land). What did land stays
     in the window's manifest for the ingest task, which records the failures in ``fetch_failures``.
-    """
-    from . import fetch
 
+    Raises :class:`SourceNotFound` (a :class:`ConfigError`: asking again changes nothing) when
+    the chunk shows its source does not exist: every feature it asked for is a 404 and so is the
+    source's feature 0, features-offset has no feature of it, or its export listing is empty (or
+    holds no batch in ``batches``). The reason is kept in ``fetch_failures`` too.
+    """
+    from urllib.parse import quote
+
+    from . import fetch
+    from .exports import export_prefix
+
+    settings = settings or settings_of(chunk)
     common = {"settings": settings, "window": chunk["window"], "progress": False,
               "max_attempts": chunk.get("max_attempts", Plan.max_attempts),
               "backoff": chunk.get("backoff", Plan.backoff)}
@@ -426,10 +578,26 @@ def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None
                                       api_key=api_key or os.environ.get("NEURONPEDIA_API_KEY"),
                                       concurrency=chunk["concurrency"],
                                       requests_per_hour=chunk["requests_per_hour"], **kwargs, **common)
+    what = (f"exports batches {chunk.get('batches') or 'all'}" if chunk["via"] == "exports"
+            else "all features" if chunk.get("all") else f"features {chunk['start']}:{chunk['stop']}")
+    if chunk["via"] == "exports":
+        missing = fetch.missing_source(result, chunk["model"], chunk["source"], batches=batches)
+        where = f"{chunk['exports_url']}/?list-type=2&prefix={export_prefix(chunk['model'], chunk['source'])}"
+    else:
+        missing = fetch.missing_source(
+            result, chunk["model"], chunk["source"], all_features=bool(chunk.get("all")),
+            asked=None if chunk.get("all") else range(chunk["start"], chunk["stop"]), base_url=chunk["base_url"],
+            api_key=api_key or os.environ.get("NEURONPEDIA_API_KEY"), max_attempts=common["max_attempts"],
+            backoff=common["backoff"], settings=settings)
+        where = f"{chunk['base_url']}/api/feature/{quote(chunk['model'], safe='')}/{quote(chunk['source'], safe='')}"
+    fetch.settle_source(result, chunk["model"], chunk["source"], where, missing, settings)
+    if result.missing_source:
+        raise SourceNotFound(
+            f"{chunk['model']}/{chunk['source']} {what} (window {result.window}): {result.missing_source}. "
+            f"Check this [[sources]] entry's model and source in featurehouse.toml; asking again will not help"
+        )
     max_fraction = chunk.get("max_failed_fraction", Plan.max_failed_fraction)
     if too_many_failed(result.n_failed, result.n_requested, max_fraction):
-        what = (f"exports batches {chunk.get('batches') or 'all'}" if chunk["via"] == "exports"
-                else "all features" if chunk.get("all") else f"features {chunk['start']}:{chunk['stop']}")
         first = result.failures[0] if result.failures else {}
         status = f"HTTP {first['http_status']}, " if first.get("http_status") else ""
         raise FetchChunkFailed(
@@ -448,10 +616,14 @@ def ingest_units(chunks_: list[dict[str, Any]], settings=None,
     (its source and index range), and one per landed export batch file (the small model,
     source and source-set files of a source together), each numbered ``part`` 0, 1, ... Units
     are disjoint, so their ingests can load at once on any workers. Export files are packed
-    several to a unit when there would be more than ``max_map_length`` units.
+    several to a unit when there would be more than ``max_map_length`` units. Each unit carries
+    the chunks' ``warehouse`` (see :func:`settings_of`).
     """
     from .manifest import manifest_path, read_manifest
 
+    if settings is None and chunks_:
+        settings = settings_of(chunks_[0])
+    carried = {"warehouse": chunks_[0]["warehouse"]} if chunks_ and "warehouse" in chunks_[0] else {}
     units: list[dict[str, Any]] = []
     exports: list[list[str]] = []
     manifests: dict[str, dict[str, dict[str, Any]]] = {}
@@ -475,4 +647,4 @@ def ingest_units(chunks_: list[dict[str, Any]], settings=None,
             packed.setdefault((window, i % room), []).extend(keys)
         exports = [[w, *keys] for (w, _), keys in packed.items()]
     units += [{"window": window, "via": "exports", "keys": keys} for window, *keys in exports]
-    return [u | {"part": i} for i, u in enumerate(units)]
+    return [u | {"part": i} | carried for i, u in enumerate(units)]
