@@ -156,7 +156,9 @@ all = true
     assert [c for c in out if c["source"] == "b"][0]["via"] == "exports"
     assert [c for c in out if c["source"] == "c"][0]["all"] is True
     assert all(c["window"] == "w1" and c["base_url"] == plan.base_url for c in out)
-    assert all(len(repr(c)) < 400 for c in out)
+    # small for XCom: no page lists; the warehouse path (as long as the folder it names, longer
+    # under pytest-xdist) is the only field that grows with the machine
+    assert all(len(repr(c)) - len(c["warehouse"]) < 400 for c in out)
 
 
 @settings(max_examples=60, deadline=None)
