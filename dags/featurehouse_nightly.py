@@ -77,11 +77,12 @@ def _config() -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def _fetch_setting(key: str, default: float, kind: type) -> float:
-    """``[fetch] task_retries`` / ``task_retry_delay`` for the fetch task (plan.py checks them too;
-    a value that is not a number ≥ 0 falls back to the default here and fails the plan task)."""
-    fetch = _config().get("fetch")
-    value = fetch.get(key, default) if isinstance(fetch, dict) else default
+def _setting(section: str, key: str, default: float, kind: type) -> float:
+    """``[fetch] task_retries`` / ``task_retry_delay`` for the fetch task, ``[schedule]
+    retry_delay`` for the others (plan.py checks them too; a value that is not a number ≥ 0 falls
+    back to the default here and fails the plan task)."""
+    table = _config().get(section)
+    value = table.get(key, default) if isinstance(table, dict) else default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (kind is int and value != int(value)):
         return default
     return kind(value)
@@ -160,7 +161,7 @@ def _failed(context: dict, task_id: str) -> int:
 default_args = {
     "owner": "featurehouse",
     "retries": 3,
-    "retry_delay": timedelta(minutes=1),
+    "retry_delay": timedelta(seconds=_setting("schedule", "retry_delay", 60.0, float)),
     "retry_exponential_backoff": True,
     "max_retry_delay": timedelta(minutes=30),
 }
@@ -192,8 +193,8 @@ def featurehouse_nightly():
     # A chunk whose URLs all (or mostly) failed raises FetchChunkFailed: the task fails, is
     # retried ([fetch] task_retries, task_retry_delay), and a retry asks only for what is missing.
     # A source that does not exist raises SourceNotFound, a ConfigError: it fails at once.
-    @task(pool="neuronpedia_api", retries=_fetch_setting("task_retries", 4, int),
-          retry_delay=timedelta(seconds=_fetch_setting("task_retry_delay", 60.0, float)),
+    @task(pool="neuronpedia_api", retries=_setting("fetch", "task_retries", 4, int),
+          retry_delay=timedelta(seconds=_setting("fetch", "task_retry_delay", 60.0, float)),
           max_active_tis_per_dagrun=4)
     def fetch(chunk: dict) -> dict:
         from pipeline.sources.plan import fetch_chunk

@@ -51,6 +51,8 @@ pytestmark = [pytest.mark.airflow, pytest.mark.scheduler, pytest.mark.celery]
 REPO = Path(__file__).resolve().parent.parent
 MODEL, SOURCE = "gpt-oss-20b", "11-resid-post-aa"
 CONFIG = """
+[schedule]
+retry_delay = 2
 [fetch]
 chunk_size = 20
 [[sources]]
@@ -62,7 +64,8 @@ TABLES = ("features", "activations", "explanations", "models", "sources", "sourc
           "feature_activation_stats", "source_activation_stats")
 WORKERS = ("worker-a", "worker-b")
 BUCKET = "featurehouse"
-#: found dead within seconds (the defaults take minutes); the test's only timing settings
+#: found dead within seconds (the defaults take minutes); with ``[schedule] retry_delay`` above
+#: (the killed part is retried 2 s later, not a minute), the test's only timing settings
 FAST_ZOMBIES = {"AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "10",
                 "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "1",
                 "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "1"}

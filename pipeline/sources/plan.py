@@ -150,6 +150,8 @@ class Plan:
     """The file this plan was read from."""
     schedule: str = DEFAULT_SCHEDULE
     """Cron expression for the nightly run, in UTC."""
+    retry_delay: float = 60.0
+    """Seconds before a failed task other than fetch is retried (doubling, up to 30 minutes)."""
     warehouse: Path = Path("warehouse")
     """The warehouse folder; relative paths are taken from the config file's folder."""
     inbox: Path = Path("inbox")
@@ -434,6 +436,7 @@ def _plan(config_path: Path, values: dict[str, Any], given: dict[tuple[str, str]
     plan = Plan(
         config_path=config_path,
         schedule=cron,
+        retry_delay=float(schedule.get("retry_delay", Plan.retry_delay)),
         warehouse=_path(values, given, config_path, "warehouse"),
         inbox=_path(values, given, config_path, "inbox"),
         inbox_settle_seconds=float(inbox.get("settle_seconds", Plan.inbox_settle_seconds)),
