@@ -122,6 +122,41 @@ def extension_path(name: str) -> str:
     return str(path)
 
 
+#: The extension files whose signature this process has checked. DuckDB checks an extension's
+#: signature at each LOAD by hashing the whole file (ducklake's is 36 MB: 0.3-1 s, the largest
+#: cost of opening the warehouse), but a LOAD of a file this process has loaded already maps the
+#: same library again (dlopen returns the loaded one): checking it again checks nothing. So each
+#: file is checked once per process, in a connection of its own, and the connections that then
+#: load it skip the check (``allow_unsigned_extensions``; `featurehouse sql` runs no LOAD).
+_VERIFIED: set[str] = set()
+_VERIFIED_LOCK = threading.Lock()
+
+
+def _duckdb(extensions: list[str], config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
+    """A new in-memory DuckDB with ``extensions`` loaded from their wheels, never the network."""
+    conn = duckdb.connect(config={**(config or {}), "autoinstall_known_extensions": False,
+                                  "allow_unsigned_extensions": True})
+    try:
+        for name in extensions:
+            _load(conn, name)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _load(conn: duckdb.DuckDBPyConnection, name: str) -> None:
+    """LOAD extension ``name`` into ``conn`` (opened by ``_duckdb``), its signature checked first
+    if this process has not checked it yet."""
+    path = extension_path(name)
+    with _VERIFIED_LOCK:
+        if path not in _VERIFIED:
+            with duckdb.connect(config={"autoinstall_known_extensions": False}) as checker:
+                checker.execute(f"LOAD '{_q(path)}'")  # fails on a file that is not DuckDB's, signed
+            _VERIFIED.add(path)
+    conn.execute(f"LOAD '{_q(path)}'")
+
+
 def _extensions(settings: Settings) -> list[str]:
     names = ["ducklake", "sqlite_scanner" if settings.catalog_kind == "sqlite" else "postgres_scanner"]
     if settings.uses_s3:
@@ -164,11 +199,9 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
     if path.stat().st_size == 0:
         return False, None  # an empty file is an SQLite database without tables
     own = conn is None
-    probe = duckdb.connect(config={"autoinstall_known_extensions": False}) if own else conn
+    probe = _duckdb(["sqlite_scanner"]) if own else conn
     attached = False
     try:
-        if own:
-            probe.execute(f"LOAD '{_q(extension_path('sqlite_scanner'))}'")
         probe.execute(f"ATTACH '{_q(str(path))}' AS catalog_probe (TYPE sqlite, READ_ONLY)")
         attached = True
         tables = {t for (t,) in probe.execute(
@@ -309,11 +342,8 @@ def _open(settings: Settings, *, read_only: bool, create: bool, threads: int | N
         config["temp_directory"] = str(wh / ".tmp")
     if threads is not None:
         config["threads"] = threads
-    config["autoinstall_known_extensions"] = False  # never reach for the network: load from the wheels
-    conn = duckdb.connect(config=config)
+    conn = _duckdb(_extensions(settings), config)
     try:
-        for name in _extensions(settings):
-            conn.execute(f"LOAD '{_q(extension_path(name))}'")
         if settings.uses_s3:
             _s3_secret(conn, settings)
         exists, recorded = _catalog_state(settings, conn)
@@ -363,7 +393,7 @@ def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]
             if "httpfs" not in str(exc) or settings.uses_s3:
                 raise
             for name in _s3_extensions():
-                conn.execute(f"LOAD '{_q(extension_path(name))}'")
+                _load(conn, name)
             _s3_secret(conn, settings)
             conn.execute(f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix}")
     except duckdb.Error as exc:
@@ -1015,8 +1045,7 @@ def _hold_catalog(settings: Settings) -> list[Path]:
     if settings.catalog_kind != "sqlite":
         return []
     path = _sqlite_file(settings)
-    holder = duckdb.connect(config={"threads": 1, "autoinstall_known_extensions": False})
-    holder.execute(f"LOAD '{_q(extension_path('sqlite_scanner'))}'")
+    holder = _duckdb(["sqlite_scanner"], {"threads": 1})
     holder.execute(f"ATTACH '{_q(str(path))}' AS held_catalog (TYPE sqlite, READ_ONLY)")
     holder.execute("BEGIN TRANSACTION")
     holder.execute("SELECT count(*) FROM held_catalog.ducklake_metadata").fetchall()
