@@ -17,6 +17,7 @@ import orjson
 from .config import Settings
 from .ingest import RunSummary, ingest
 from .lake import warehouse as warehouse_mod
+from .lake.landing import LandingFailed, disk_full
 from .names import BadRunId, check_run_id
 from .stages import materialise
 from .stages.receive import InputNotFound
@@ -38,6 +39,11 @@ _USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def _with_notes(exc: BaseException, first: bool = True) -> str:
+    """The error's message and the notes the library added (e.g. how the run was recorded)."""
+    return "\n".join(([str(exc)] if first else []) + list(getattr(exc, "__notes__", ())))
+
+
 def _open(settings: Settings, **kw) -> duckdb.DuckDBPyConnection:
     try:
         return warehouse_mod.connect(settings, **kw)
@@ -45,12 +51,20 @@ def _open(settings: Settings, **kw) -> duckdb.DuckDBPyConnection:
         raise click.ClickException(str(exc)) from None
 
 
+def _csv_cell(value):
+    """A CSV cell: a list, struct or map as JSON text (timestamps inside it ISO 8601, as in
+    --format json), never a Python repr; a scalar as it is."""
+    if isinstance(value, (list, tuple, dict)):
+        return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+    return value
+
+
 def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40) -> None:
     """Rows as a table (DuckDB's own rendering), CSV or JSON on stdout."""
     if fmt == "csv":
         w = csv.writer(sys.stdout, lineterminator="\n")
         w.writerow(cols)
-        w.writerows(rows)
+        w.writerows([_csv_cell(v) for v in r] for r in rows)
     elif fmt == "json":
         out = [dict(zip(cols, r)) for r in rows]
         sys.stdout.write(orjson.dumps(out, default=str, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n")
@@ -163,8 +177,13 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
                          progress=False if no_progress else None)
     except InputNotFound as exc:
         raise click.UsageError(str(exc)) from exc
-    except _USER_ERRORS as exc:
-        raise click.ClickException(str(exc)) from None
+    except (LandingFailed, *_USER_ERRORS) as exc:
+        raise click.ClickException(_with_notes(exc)) from None
+    except (OSError, duckdb.IOException) as exc:
+        if not disk_full(exc):
+            raise
+        raise click.ClickException(f"the warehouse could not be written: {str(exc).splitlines()[0]} (the disk that "
+                                   f"holds it is full); the run stopped\n{_with_notes(exc, first=False)}") from None
     except BaseException:
         if _TERMINATED:  # ingest has recorded the run as failed
             click.echo("featurehouse: ingest terminated by SIGTERM; the run is recorded as failed", err=True)

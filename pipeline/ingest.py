@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from .config import Settings
 from .lake import runstate, warehouse
-from .lake.landing import open_landed, read_landed
+from .lake.landing import disk_full, open_landed, read_landed
 from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
 from .lake.warehouse import utcnow
@@ -270,8 +270,9 @@ class _Run:
     def _store_one(self, batch_no: int, now: datetime, outcome: validate.ValidationOutcome) -> None:
         try:  # Great Expectations' own record of the batch, for its Data Docs; never fails a run
             validate.store_results(self.settings.gx_dir, self.summary.run_id, batch_no, now, outcome)
-        except Exception:
-            log.exception("could not store Great Expectations results for batch %d", batch_no)
+        except Exception as exc:
+            log.error("could not store Great Expectations results for batch %d: %s", batch_no, exc,
+                      exc_info=not disk_full(exc))
 
     def wait_stored(self) -> None:
         """Wait until the last batch's results are stored (before the next, and the report)."""
@@ -398,7 +399,9 @@ class _Run:
                 raise _Unreadable("it is not a regular file (a named pipe, socket or device); nothing was read")
             return land(item, self.settings.landing_root, self.settings.max_input_bytes)
         except (OSError, _Unreadable) as exc:
-            # Nothing could be read, so nothing lands: the input is refused here, and the run goes on.
+            # Nothing could be read, so nothing lands: the input is refused here, and the run goes
+            # on. (A landing area that cannot be written is no input's fault: LandingFailed stops
+            # the run.)
             reason = str(exc) if isinstance(exc, _Unreadable) else f"it could not be read: {exc.strerror or exc}"
             if isinstance(exc, FileNotFoundError) and os.path.islink(item.path):
                 reason = f"it is a symbolic link to {os.readlink(item.path)}, which does not exist"
@@ -569,9 +572,12 @@ def ingest(
             run_started.close()
         try:
             runstate.finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
-        except Exception:
-            log.exception("could not record that run %s failed", run_id)
-        if report_after and isinstance(exc, Exception):
+            exc.add_note(f"run {run_id} is recorded as failed")
+        except Exception as record_exc:
+            log.error("could not record that run %s failed", run_id, exc_info=not disk_full(record_exc))
+            exc.add_note(f"run {run_id} could not be recorded as failed ({str(record_exc).splitlines()[0]}); "
+                         "the next ingest on this host records it as abandoned")
+        if report_after and isinstance(exc, Exception) and not disk_full(exc):  # none can be written then
             write_run_report(conn, summary, settings)
         conn.close()
         raise

@@ -79,6 +79,7 @@ def test_same_bytes_under_two_names_land_once(tmp_path, settings):
 _FILL_THE_DISK = r"""
 import resource, sys
 from pathlib import Path
+from pipeline.lake.landing import LandingFailed
 from pipeline.stages.land import land
 from pipeline.stages.receive import Input
 # A file-size limit makes the landing copy fail part-way, as a full disk does (EFBIG; Python
@@ -86,8 +87,8 @@ from pipeline.stages.receive import Input
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 try:
     land(Input(origin="big", path=Path(sys.argv[1])), Path(sys.argv[2]), max_bytes=1024)
-except OSError as exc:
-    print("raised", type(exc).__name__, exc.errno)
+except LandingFailed as exc:  # the landing area's fault, not the input's
+    print("raised", type(exc).__name__, exc.__cause__.errno)
 else:
     print("landed")
 """
@@ -106,7 +107,7 @@ def test_streaming_land_cleans_up_when_the_disk_fills(tmp_path):
     landing = tmp_path / "landing"
     proc = subprocess.run([sys.executable, "-c", _FILL_THE_DISK, str(big), str(landing)],
                           capture_output=True, text=True, timeout=60)
-    assert proc.stdout.split() == ["raised", "OSError", str(errno.EFBIG)], proc.stdout + proc.stderr
+    assert proc.stdout.split() == ["raised", "LandingFailed", str(errno.EFBIG)], proc.stdout + proc.stderr
     assert landing.is_dir()  # the copy had started
     assert _leftovers(landing) == [], "a partial temporary file was left in the landing area"
 

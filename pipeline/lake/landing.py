@@ -9,17 +9,45 @@ disk a landed file appears by an atomic rename; on S3 by a conditional put (``If
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import s3
 
-__all__ = ["Where", "landed_path", "landed_exists", "read_landed", "open_landed", "publish_file", "scratch_dir",
+__all__ = ["Where", "LandingFailed", "writing", "disk_full", "landed_path", "landed_exists", "read_landed", "open_landed", "publish_file", "scratch_dir",
            "store"]
 
 Where = Path | str
 """A landing area or a landed object: a local path, or an ``s3://`` URL (a string)."""
+
+
+class LandingFailed(Exception):
+    "The landing area could not be written (its disk is full, no permission): no input can land."
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (an OS error, DuckDB's IO error, or one raised from either) is a full disk."""
+    while exc is not None:
+        if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+@contextlib.contextmanager
+def writing(landing_dir: Where) -> Iterator[None]:
+    """Inside: writing the landing area. An OS error here is the landing area's, not the
+    input's (which was read): raised as :class:`LandingFailed`, naming the folder."""
+    try:
+        yield
+    except OSError as exc:
+        full = " (the disk that holds it is full)" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        raise LandingFailed(f"the landing area {landing_dir} could not be written: {exc.strerror or exc}{full}; "
+                            "nothing more can land, so the run stopped") from exc
 
 
 def landed_path(landing_dir: Where, sha256: str) -> Where:
@@ -60,9 +88,10 @@ def publish_file(tmp: Path, landing_dir: Where, sha: str, size: int) -> tuple[Wh
     if dest.exists():
         tmp.unlink()
         return dest, False
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(tmp, 0o444)
-    os.replace(tmp, dest)  # atomic: a crash never leaves a half-written landed file
+    with writing(landing_dir):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, dest)  # atomic: a crash never leaves a half-written landed file
     return dest, True
 
 
@@ -83,14 +112,16 @@ def store(landing_dir: Where, sha: str, write, data: bytes) -> tuple[Where, bool
     dest = landed_path(landing_dir, sha)
     if dest.exists():
         return dest, False
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".landing-")
+    with writing(landing_dir):
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=".landing-")
     try:
-        with os.fdopen(fd, "wb") as out:
-            write(out)
-        os.chmod(tmp, 0o444)
-        os.replace(tmp, dest)  # atomic: a crash never leaves a half-written landed file
+        with writing(landing_dir):
+            with os.fdopen(fd, "wb") as out:
+                write(out)
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, dest)  # atomic: a crash never leaves a half-written landed file
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)  # a full disk gets back what the partial copy took
         raise
     return dest, True

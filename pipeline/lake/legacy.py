@@ -56,6 +56,24 @@ def _link_or_copy(src: Path, dest: Path) -> None:
         shutil.copy2(src, dest)
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _damage(old: Path, tables: set[str]) -> str | None:
+    """What is wrong with the old file, in DuckDB's words, if reading every table whole fails
+    (a block cut off, a checksum that does not match); None when it reads."""
+    try:
+        with duckdb.connect(str(old), read_only=True) as conn:
+            for table in sorted(tables):
+                reader = conn.execute(f'SELECT * FROM "{table}"').fetch_record_batch(65_536)
+                for _ in reader:  # every block is read, and its checksum checked
+                    pass
+    except duckdb.Error as exc:
+        return _first_line(exc)
+    return None
+
+
 def migrate_file(old: Path, settings: Settings) -> dict[str, int]:
     """Copy the warehouse in ``old`` into the lakehouse ``settings`` names; return rows per table.
 
@@ -65,14 +83,19 @@ def migrate_file(old: Path, settings: Settings) -> dict[str, int]:
     old = Path(old).resolve()
     try:
         probe = duckdb.connect(str(old), read_only=True)
+        with probe:
+            tables = {t for (t,) in probe.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
     except duckdb.Error as exc:
-        raise LegacyMigrationError(f"{old} is not a DuckDB database file: {exc}") from None
-    with probe:
-        tables = {t for (t,) in probe.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+        raise LegacyMigrationError(f"{old} cannot be opened as a DuckDB database: it is not one, or it is damaged "
+                                   f"or cut short ({_first_line(exc)})") from None
     if not {"runs", "raw_inputs", "features", "activations"} <= tables:
         raise LegacyMigrationError(f"{old} is a DuckDB file but not a featurehouse warehouse (no runs/features tables)")
     if settings.warehouse.resolve() == old:
         raise LegacyMigrationError("give the new warehouse's folder with --warehouse (not the old file)")
+    damage = _damage(old, tables)  # read whole before anything is written: a damaged file moves nothing
+    if damage is not None:
+        raise LegacyMigrationError(f"{old} is damaged or cut short: {damage}; nothing was migrated. Restore it "
+                                   "from a backup and migrate again")
 
     conn = warehouse.connect(settings, create=True)
     try:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..lake import s3
-from ..lake.landing import Where, publish_file, read_landed, scratch_dir, store
+from ..lake.landing import Where, publish_file, read_landed, scratch_dir, store, writing
 from .receive import Input
 
 __all__ = ["Landed", "land"]
@@ -58,14 +58,18 @@ def land(item: Input, landing_dir: Where, max_bytes: int) -> Landed:
     # Too large to parse: hash while streaming into a temp file, then move it into place. Any
     # error on the way (a full disk, an unreadable source, Ctrl-C) removes the partial copy.
     spool = scratch_dir(landing_dir)
-    spool.mkdir(parents=True, exist_ok=True)
     h = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(dir=spool, prefix=".landing-")
+    with writing(landing_dir):
+        spool.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=spool, prefix=".landing-")
     try:
         with os.fdopen(fd, "wb") as out, item.path.open("rb") as src:
-            while chunk := src.read(_CHUNK):
+            while chunk := src.read(_CHUNK):  # a read error is the input's: it could not be read
                 h.update(chunk)
-                out.write(chunk)
+                with writing(landing_dir):
+                    out.write(chunk)
+            with writing(landing_dir):
+                out.flush()
         sha = h.hexdigest()
         dest, new = publish_file(Path(tmp), landing_dir, sha, size)
     except BaseException:
