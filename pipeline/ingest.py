@@ -394,6 +394,8 @@ class _Run:
         """The input's bytes in the landing area, or None when nothing could be read (refused)."""
         s = self.summary
         try:
+            if item.refused is not None:  # found while listing: never opened
+                raise _Unreadable(item.refused)
             if item.data is None and item.path is not None and not stat.S_ISREG(os.stat(item.path).st_mode):
                 # a named pipe would block the run for ever; a socket or device is no page
                 raise _Unreadable("it is not a regular file (a named pipe, socket or device); nothing was read")

@@ -6,9 +6,10 @@ run that dies half-way leaves the rest in the inbox for the next run, and re-ing
 that had already landed changes nothing (its bytes are counted as a duplicate).
 
 What is not a file is never read (reading a named pipe would wait for a writer for ever): a
-named pipe, socket or device, a symbolic link to nothing or to a folder, is refused with its
-reason, counted as a rejected input of the run, and set aside unread in
-``<inbox>/.refused/<run id>/``, so that it neither blocks a drain nor stays for ever. Subfolders
+named pipe, socket or device, a symbolic link to nothing or to a folder, a folder that cannot be
+read, is refused with its reason, counted as a rejected input of the run, and set aside unread in
+``<inbox>/.refused/<run id>/`` (a folder the drain may not move stays, refused again each time),
+so that it neither blocks a drain nor goes unnoticed. Subfolders
 a drain empties are removed, and ``.done`` and ``.refused`` keep a run's files ``keep_days``
 (their bytes are in the landing area), then let them go.
 """
@@ -16,6 +17,7 @@ a drain empties are removed, and ``.done`` and ``.refused`` keep a run's files `
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import stat
@@ -28,6 +30,8 @@ from ..config import Settings
 from ..ingest import ingest, new_run_id
 from ..lake import warehouse
 from ..stages.receive import Input
+
+log = logging.getLogger("featurehouse")
 
 __all__ = ["DONE_DIR", "REFUSED_DIR", "DrainResult", "Pending", "drain_inbox", "pending_files", "scan_inbox",
            "prune"]
@@ -51,7 +55,7 @@ class Pending(NamedTuple):
     """Entries changed less than ``settle_seconds`` ago (probably still being copied in)."""
     refused: list[tuple[Path, str]]
     """Settled entries that are not files (named pipes, sockets, devices, links to nothing or to
-    a folder), each with the reason, in words; never opened."""
+    a folder, folders that cannot be read), each with the reason, in words; never opened."""
 
 
 @dataclass
@@ -104,6 +108,9 @@ def _not_a_file(path: Path) -> tuple[os.stat_result | None, str | None]:
         return path.lstat(), f"it cannot be looked at ({exc.strerror or exc}); it was not read"
     if stat.S_ISREG(st.st_mode):
         return st, None
+    if stat.S_ISDIR(st.st_mode) and path.is_symlink():
+        return st, (f"it is a symbolic link to a folder ({os.readlink(path)}); an inbox does not follow links to "
+                    "folders (what it drains is moved out of the inbox); it was not read")
     kind = ("a named pipe (FIFO): reading it would wait for a writer" if stat.S_ISFIFO(st.st_mode)
             else "a socket" if stat.S_ISSOCK(st.st_mode)
             else "a device" if stat.S_ISBLK(st.st_mode) or stat.S_ISCHR(st.st_mode)
@@ -129,7 +136,23 @@ def scan_inbox(inbox: Path, settle_seconds: float = 0.0, now: float | None = Non
     ready: list[Path] = []
     refused: list[tuple[Path, str]] = []
     waiting = 0
-    for root, dirs, files in os.walk(inbox):
+
+    def unreadable(exc: OSError) -> None:  # os.walk would skip a folder it cannot list, silently
+        folder = Path(exc.filename)
+        if folder == inbox:
+            raise exc
+        try:
+            settled = now - folder.lstat().st_mtime >= settle_seconds
+        except OSError:
+            return  # gone since it was listed
+        if settled:
+            refused.append((folder, f"it is a folder that cannot be read ({exc.strerror or exc}); "
+                                    "nothing in it was read"))
+        else:
+            nonlocal waiting
+            waiting += 1
+
+    for root, dirs, files in os.walk(inbox, onerror=unreadable):
         entries = sorted(files + [d for d in dirs if os.path.islink(os.path.join(root, d))])
         # a link to a folder is listed among the folders and not followed: refused below
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and not os.path.islink(os.path.join(root, d)))
@@ -146,6 +169,7 @@ def scan_inbox(inbox: Path, settle_seconds: float = 0.0, now: float | None = Non
                 ready.append(path)
             else:
                 refused.append((path, why))
+    refused.sort()
     return Pending(ready, waiting, refused)
 
 
@@ -236,7 +260,7 @@ def drain_inbox(
     run_id = run_id or new_run_id("inbox")
     result.run_id = run_id
     inputs = [Input(origin=str(p.resolve()), path=p) for p in pending.ready]
-    inputs += [Input(origin=str(p.absolute()), path=p) for p, _ in pending.refused]
+    inputs += [Input(origin=str(p.absolute()), path=p, refused=why) for p, why in pending.refused]
     summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=False)
     result.run = summary.as_dict()
     judged = verdict(result.run)
@@ -271,5 +295,7 @@ def drain_inbox(
             moved.append(path)
         except FileNotFoundError:  # gone already
             pass
+        except OSError as exc:  # a folder we may not move (not ours): refused again next time
+            log.warning("refused %s stays in the inbox: it cannot be set aside (%s)", path, exc.strerror or exc)
     _remove_emptied(inbox, moved)
     return result
