@@ -87,10 +87,13 @@ def cli(verbose: bool) -> None:
 def print_summary(s: RunSummary) -> None:
     """Print a run's summary for a person."""
     click.echo(f"run {s.run_id}: {s.status} in {s.seconds:.1f}s -> {s.warehouse}")
+    # two ways every received input is counted once: by where its bytes were, by what became of it
     click.echo(
-        f"  inputs   received {s.n_received}, new {s.n_landed}, already landed {s.n_duplicates}, "
-        f"loaded {s.n_loaded}, rejected {s.n_rejected}"
+        f"  inputs   received {s.n_received} = new {s.n_landed} + read again {s.n_reread} + "
+        f"already landed {s.n_duplicates} + not readable {s.n_unread}"
     )
+    unread = f" ({s.n_unread} not readable)" if s.n_unread else ""
+    click.echo(f"           loaded {s.n_loaded}, rejected {s.n_rejected}{unread}, skipped {s.n_duplicates}")
     click.echo(
         f"  records  features {s.n_features}, activations {s.n_activations}, "
         f"explanations {s.n_explanations}, quarantined {s.n_quarantined}"
@@ -333,8 +336,9 @@ def materialise_cmd(warehouse, run_id) -> None:
 @warehouse_option
 @format_option
 def history_cmd(feature, warehouse, fmt) -> None:
-    """Show a feature's versions over time: when each capture was loaded, by which run, and its
-    max activation, number of activations and explanations as of then."""
+    """Show a feature's versions over time: when each capture was loaded (or another feature's
+    capture took some of its activations), by which run, and its max activation, number of
+    activations and explanations as of then."""
     from .lake.history import BadFeatureKey, feature_history, parse_key
 
     try:
@@ -346,11 +350,16 @@ def history_cmd(feature, warehouse, fmt) -> None:
         versions = feature_history(conn, key)
     if not versions:
         raise click.ClickException(f"the warehouse has no version of {key} (within its retained history)")
-    cols = ["snapshot_id", "committed_at", "run_id", "captured_at", "replaced", "max_act_approx",
+    cols = ["snapshot_id", "committed_at", "run_id", "captured_at", "replaced", "lost", "max_act_approx",
             "n_activations", "max_activation", "explanations"]
     rows = [tuple(v[c] for c in cols) for v in versions]
     if fmt == "table":
-        rows = [r[:4] + (", ".join(r[4]) or "(state kept from before)",) + r[5:8] + (" · ".join(r[8]),) for r in rows]
+        def what(replaced: list[str], lost: list[str]) -> str:
+            taken = f"{', '.join(lost)} taken by another feature's capture" if lost else ""
+            return "; ".join(x for x in (", ".join(replaced), taken) if x) or "(state kept from before)"
+
+        cols = cols[:5] + cols[6:]
+        rows = [r[:4] + (what(r[4], r[5]),) + r[6:9] + (" · ".join(r[9]),) for r in rows]
     _print_rows(cols, rows, fmt)
 
 

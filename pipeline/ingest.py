@@ -38,12 +38,16 @@ from .names import check_run_id
 from .stages import materialise, stage, validate
 from .stages.land import Landed, land
 from .stages.load import (
+    AGAIN_READ,
     DATA_TABLES,
     REFERENCE_KEYS,
     STAGED_ACTIVATIONS,
     claim_captures,
     insert_rows,
+    record_captures,
     replace_staged,
+    retime,
+    settle_again,
     upsert_reference,
 )
 from .stages.parse import PAGE_KEY_BYTES, Rejected, first_line, gunzip_measure, parse_bytes
@@ -82,11 +86,16 @@ class _Batch:
         self.exports: dict[str, list[Landed]] = {}  # gzip export rows by table, left for DuckDB
         self.export_lines: dict[str, int] = {}  # newlines in each export file, by digest
         self.bad_lines: list[dict[str, Any]] = []  # export lines that are not JSON objects, to quarantine
+        self.taken: set[str] = set()  # digests this batch reads
+        self.reread: list[str] = []  # of those, landed before (--reprocess, a limit raised, a newer capture)
+        self.again: list[tuple[Landed, datetime]] = []  # bytes taken before, come again: decided at the flush
+        self.retimes: dict[str, datetime] = {}  # bytes still loaded whose newer capture time is recorded
         self.n_activations = 0
         self.n_bytes = 0
 
     def __len__(self) -> int:
-        return len(self.inputs) + len(self.run_inputs) + len(self.fast) + sum(map(len, self.exports.values()))
+        return (len(self.inputs) + len(self.run_inputs) + len(self.fast) + sum(map(len, self.exports.values()))
+                + len(self.again))
 
     def add(self, landed: Landed, parsed: ParsedInput) -> None:
         self.inputs.append((landed, str(getattr(parsed.format, "value", parsed.format)), None))
@@ -177,6 +186,7 @@ class _Run:
         stage → validate → load, one commit."""
         if not len(batch):
             return
+        self._settle_again(batch)
         if not (batch.inputs or batch.fast or any(batch.exports.values())):
             # Only inputs landed before (an unchanged re-run): nothing to parse, validate or load,
             # so no Great Expectations and no staging; record that this run saw them.
@@ -198,6 +208,49 @@ class _Run:
         finally:
             stage.drop(self.conn)
             self._clear_scratch()  # after the load: quarantined records are cut out of these copies
+
+    def _settle_again(self, batch: _Batch) -> None:
+        """Bytes taken before that came again: content dedup skips reading them, never the
+        capture-time decision (``load.settle_again``). Those whose capture changes what is
+        loaded are read again now, in this batch; the others are skipped, a newer capture time
+        recorded (``batch.retimes``). Inputs read again take the newest capture time of their
+        bytes (a copy's file may be older than a capture already recorded)."""
+        newest: dict[str, tuple[Landed, datetime]] = {}
+        for landed, when in batch.again:
+            kept = newest.get(landed.sha256)
+            if kept is None or when > kept[1]:
+                if kept is not None:
+                    self._skip(batch, kept[0])
+                newest[landed.sha256] = (landed, when)
+            else:
+                self._skip(batch, landed)
+        batch.again.clear()
+        decided = settle_again(self.conn, {sha: when for sha, (_, when) in newest.items()})
+        if batch.reread:
+            recorded = dict(self.conn.execute(
+                "SELECT input_sha256, captured_at FROM raw_inputs WHERE list_contains($shas, input_sha256) "
+                "AND captured_at IS NOT NULL", {"shas": batch.reread}).fetchall())
+            for sha, at in recorded.items():
+                self.captured[sha] = max(self.captured[sha], at)
+        for sha, (landed, when) in newest.items():
+            if decided.get(sha) != AGAIN_READ:
+                self._skip(batch, landed)
+                if decided.get(sha) == "retime":
+                    batch.retimes[sha] = when
+                continue
+            self.summary.n_reread += 1
+            self.seen_this_run.add(sha)
+            self.captured[sha] = when
+            batch.taken.add(sha)
+            batch.reread.append(sha)
+            small = landed.n_bytes <= self.settings.max_input_bytes
+            self._route(replace(landed, data=read_landed(landed.path) if small else None), batch)
+
+    def _skip(self, batch: _Batch, landed: Landed) -> None:
+        """Count an input as already landed and skipped, and record that this run saw it."""
+        self.summary.n_duplicates += 1
+        batch.run_inputs.append({"run_id": self.summary.run_id, "input_sha256": landed.sha256,
+                                 "origin": landed.input.origin, "outcome": "duplicate"})
 
     def _read_pages(self, batch: _Batch) -> None:
         """DuckDB reads one-line API-JSON pages; one it cannot read cleanly takes the Python road,
@@ -289,6 +342,7 @@ class _Run:
         s, run_id = self.summary, self.summary.run_id
 
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, float]:
+            retime(conn, batch.retimes)
             insert_rows(conn, "run_inputs", batch.run_inputs)
             counts = {c: getattr(s, c) for c in COUNTERS} | s.sync_commit_stats()
             write_counts(conn, s, counts)  # a part adds its own; never overwrites the other parts'
@@ -331,7 +385,9 @@ class _Run:
         shas = [landed.sha256 for landed, _, _ in batch.inputs]
 
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
+            retime(conn, batch.retimes)
             loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess)
+            record_captures(conn, now, run_id)
             for table in REFERENCE_KEYS:
                 upsert_reference(conn, table, now)
             if self.materialise:  # stats of the features this batch changed, in the same snapshot
@@ -353,13 +409,14 @@ class _Run:
                     **{f"n_{t}": loaded[t].get(landed.sha256, 0) for t in _DATA_TABLES},
                 })
             if raw_rows:
-                # A reprocessed input keeps its first origin, run and receipt time; only what
-                # parsing decided (format, status, reason, counts) is updated.
+                # An input read again keeps its first origin, run and receipt time; what parsing
+                # decided (format, status, reason, counts) is updated, and its capture time is the
+                # newest of its bytes'.
                 conn.register("_raw_rows", pa.Table.from_pylist(raw_rows))
                 conn.execute(
                     """UPDATE raw_inputs AS t SET format = s.format, status = s.status, reason = s.reason,
                               n_features = s.n_features, n_activations = s.n_activations,
-                              n_explanations = s.n_explanations
+                              n_explanations = s.n_explanations, captured_at = greatest(t.captured_at, s.captured_at)
                        FROM _raw_rows AS s WHERE t.input_sha256 = s.input_sha256"""
                 )
                 conn.execute(
@@ -409,24 +466,34 @@ class _Run:
                 reason = f"it is a symbolic link to {os.readlink(item.path)}, which does not exist"
             log.warning("input %s refused: %s", item.origin, reason)
             s.n_received += 1
+            s.n_unread += 1
             s.n_rejected += 1
             s.rejected.append({"origin": item.origin, "reason": reason})
             return None
 
     def _is_new(self, item: Input, landed: Landed, batch: _Batch) -> bool:
-        """Count the input as received; False for one this run (or an earlier one) already took."""
-        s = self.summary
-        if landed.sha256 in self.seen_before_this_attempt:
+        """Count the input as received; False for one this run (or an earlier one) already took:
+        a copy in this batch lends the batch its capture time if newer; other bytes taken before
+        wait for the flush, which decides whether their capture time changes anything."""
+        s, sha = self.summary, landed.sha256
+        if sha in self.seen_before_this_attempt:
             return False  # an earlier attempt of this run already counted and recorded it
         s.n_received += 1
-        self.captured.setdefault(landed.sha256, item.captured_at or _mtime(item.path))
-        if (landed.sha256 in self.known and not self.reprocess) or landed.sha256 in self.seen_this_run:
-            s.n_duplicates += 1
-            batch.run_inputs.append({"run_id": s.run_id, "input_sha256": landed.sha256,
-                                     "origin": item.origin, "outcome": "duplicate"})
+        when = item.captured_at or _mtime(item.path)
+        if sha in batch.taken:  # not decided yet: the batch decides with the newest of its copies
+            self.captured[sha] = max(self.captured[sha], when)
+            self._skip(batch, landed)
             return False
-        self.seen_this_run.add(landed.sha256)
-        if landed.sha256 not in self.landed_before:
+        if (sha in self.known and not self.reprocess) or sha in self.seen_this_run:
+            batch.again.append((replace(landed, data=None), when))
+            return False
+        self.seen_this_run.add(sha)
+        batch.taken.add(sha)
+        self.captured[sha] = when
+        if sha in self.landed_before:
+            s.n_reread += 1
+            batch.reread.append(sha)
+        else:
             s.n_landed += 1
         return True
 

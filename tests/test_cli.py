@@ -93,9 +93,10 @@ def test_warehouse_from_the_environment_and_reprocess(tmp_path):
     env = {"FEATUREHOUSE_WAREHOUSE": str(tmp_path / "env" / "w.duckdb")}
     seed = str(FIXTURES / "000_e9e35889d0228029.txt")
     first = fh("ingest", seed, "--no-progress", env=env)
-    assert first.returncode == 0 and "new 1, already landed 0, loaded 1" in first.stdout
+    assert first.returncode == 0 and "received 1 = new 1 + read again 0 + already landed 0" in first.stdout
     re_run = fh("ingest", seed, "--no-progress", "--reprocess", env=env)
-    assert re_run.returncode == 0 and "new 0, already landed 0, loaded 1" in re_run.stdout
+    assert re_run.returncode == 0 and "received 1 = new 0 + read again 1 + already landed 0" in re_run.stdout
+    assert "loaded 1, rejected 0, skipped 0" in re_run.stdout
     assert query(tmp_path / "env" / "w.duckdb", "SELECT count(*) FROM activations") == [(39,)]
     assert fh("status", env=env).stdout.count("succeeded") == 2
 

@@ -90,7 +90,7 @@ CASES: dict[str, tuple[bytes, set[str]]] = {
     "neg_str_values_same_length": (_page(108, _set(neg_str=[])), set()),
     # activations (activation 0 of good_page: values [0, 1.5, 3.25, 0], max at 2)
     "activation_id_present": (_page(201, _act(id=None)), set()),
-    "activation_id_unique_in_batch": (_page(202, _dup_activation), set()),
+    "activation_id_unique_in_input": (_page(202, _dup_activation), set()),
     "activation_feature_index_valid": (_page(203, _act(index="-3")), {"activation_feature_key_matches_page"}),
     "activation_feature_key_present": (_page(204, _act(index=None)), {"activation_feature_key_matches_page"}),
     "activation_feature_key_matches_page": (_page(205, _act(layer="another-source")), set()),
@@ -108,7 +108,7 @@ CASES: dict[str, tuple[bytes, set[str]]] = {
     "min_value_not_above_max_value": (_page(214, _act(minValue=5.0)), set()),
     # explanations
     "explanation_id_present": (_page(301, lambda p: p["explanations"][0].update(id=None)), set()),
-    "explanation_id_unique_in_batch": (_page(302, _dup_explanation), set()),
+    "explanation_id_unique_in_input": (_page(302, _dup_explanation), set()),
     "explanation_feature_key_present": (
         _jsonl({"id": "exp-no-index", "modelId": "m", "layer": "validate-src", "index": None, "description": "x"},
                _MODEL_ROW), set()),

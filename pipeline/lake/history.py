@@ -3,7 +3,10 @@ can say how a feature changed over time and what changed since a run or a moment
 
 Both read ``feature_captures`` (which capture each feature's rows come from) through DuckLake's
 change feed and time travel (``AT (VERSION => n)``); history older than the retention period
-(``featurehouse maintain`` expires it) is gone.
+(``featurehouse maintain`` expires it) is gone. A feature can also change without a capture of
+its own: another feature's capture may take activation (or explanation) ids it held, deleting
+its rows; the change feed of those tables shows that too. A newer capture of the same bytes
+(only ``captured_at`` moves) is not a change.
 """
 
 from __future__ import annotations
@@ -69,6 +72,40 @@ def _at(conn: duckdb.DuckDBPyConnection, table: str, version: int | None) -> str
     return at
 
 
+#: The tables whose rows another feature's capture can take (by id).
+_TAKEN_FROM = ("activations", "explanations")
+
+
+def _replaced(conn: duckdb.DuckDBPyConnection, first: int, last: int, where: str) -> str:
+    """SQL: per snapshot and feature (``where`` over the feature's key), the tables whose capture
+    changed to another input (``replaced``), the capture's time and run."""
+    feed = f"ducklake_table_changes('{CATALOG}', 'main', 'feature_captures', {first}, {last})"
+    # a capture loaded is an insert; an update that keeps the input only moved its time (retime)
+    return f"""
+        WITH ch AS (SELECT * FROM {feed} WHERE {where})
+        SELECT p.snapshot_id, p.model_id, p.source_id, p.feature_index, p.table_name, p.captured_at, p.run_id
+        FROM ch p
+        WHERE p.change_type = 'insert' OR (p.change_type = 'update_postimage' AND NOT EXISTS (
+            SELECT 1 FROM ch q WHERE q.change_type = 'update_preimage' AND q.snapshot_id = p.snapshot_id
+            AND q.table_name = p.table_name AND q.model_id = p.model_id AND q.source_id = p.source_id
+            AND q.feature_index = p.feature_index AND q.input_sha256 = p.input_sha256))"""
+
+
+def _lost(conn: duckdb.DuckDBPyConnection, first: int, last: int, where: str) -> str:
+    """SQL: per snapshot and feature (``where``), the tables that lost rows without a capture
+    of the feature's own replacing them: ids another feature's capture took."""
+    own = f"ducklake_table_changes('{CATALOG}', 'main', 'feature_captures', {first}, {last})"
+    parts = " UNION ".join(
+        f"""SELECT snapshot_id, model_id, source_id, feature_index, '{t}' AS table_name
+            FROM ducklake_table_changes('{CATALOG}', 'main', '{t}', {first}, {last})
+            WHERE change_type = 'delete' AND {where}""" for t in _TAKEN_FROM)
+    return f"""
+        SELECT d.* FROM ({parts}) d
+        WHERE NOT EXISTS (SELECT 1 FROM {own} c WHERE c.snapshot_id = d.snapshot_id AND c.table_name = d.table_name
+                          AND c.model_id = d.model_id AND c.source_id = d.source_id
+                          AND c.feature_index = d.feature_index AND c.change_type IN ('insert', 'delete'))"""
+
+
 def _state(conn: duckdb.DuckDBPyConnection, key: FeatureKey, version: int | None) -> dict[str, Any]:
     """The feature as the warehouse held it at snapshot ``version`` (None: now)."""
     where = "model_id = $m AND source_id = $s AND feature_index = $i"
@@ -88,39 +125,51 @@ def _state(conn: duckdb.DuckDBPyConnection, key: FeatureKey, version: int | None
 def feature_history(conn: duckdb.DuckDBPyConnection, key: FeatureKey) -> list[dict[str, Any]]:
     """Every version of a feature the warehouse still keeps, oldest first.
 
-    A version is a snapshot in which one of the feature's tables took a new capture. Each comes
-    with when it was committed, the run that loaded it, the capture's time, the tables it
-    replaced, and the feature as of that snapshot: max_act_approx, number of activations, the
-    largest activation and the explanations' texts. When older snapshots have been expired, the
-    first version is the state at the oldest snapshot kept (``replaced`` is then empty).
+    A version is a snapshot in which one of the feature's tables took a capture from another
+    input (``replaced``), or lost rows to another feature's capture, which took their ids
+    (``lost``). Each comes with when it was committed, the run that committed it, the time of
+    the feature's capture, and the feature as of that snapshot: max_act_approx, number of
+    activations, the largest activation and the explanations' texts. When older snapshots have
+    been expired, the first version is the state at the oldest snapshot kept (``replaced`` and
+    ``lost`` are then empty).
     """
     first, last = _snapshot_span(conn)
     p = {"m": key.model_id, "s": key.source_id, "i": key.feature_index}
     where = "model_id = $m AND source_id = $s AND feature_index = $i"
     changed = _rows(conn, f"""
-        SELECT c.snapshot_id, list(DISTINCT c.table_name ORDER BY c.table_name) AS replaced,
-               max(c.captured_at) AS captured_at, any_value(c.run_id) AS run_id
-        FROM ducklake_table_changes('{CATALOG}', 'main', 'feature_captures', {first}, {last}) AS c
-        WHERE {where} AND c.change_type IN ('insert', 'update_postimage')
-        GROUP BY c.snapshot_id ORDER BY c.snapshot_id""", p)
+        WITH r AS ({_replaced(conn, first, last, where)}), l AS ({_lost(conn, first, last, where)})
+        SELECT snapshot_id,
+               coalesce(list(DISTINCT r.table_name ORDER BY r.table_name) FILTER (WHERE r.table_name IS NOT NULL), [])
+                   AS replaced,
+               coalesce(list(DISTINCT l.table_name ORDER BY l.table_name) FILTER (WHERE l.table_name IS NOT NULL), [])
+                   AS lost,
+               max(r.captured_at) AS captured_at, any_value(r.run_id) AS run_id
+        FROM r FULL JOIN l USING (snapshot_id)
+        GROUP BY snapshot_id ORDER BY snapshot_id""", p)
     at_first = conn.execute(
         f"SELECT max(captured_at), any_value(run_id) FROM {_at(conn, 'feature_captures', first)} WHERE {where}", p
     ).fetchone()
     if at_first[1] is not None and not any(v["snapshot_id"] == first for v in changed):
-        changed.insert(0, {"snapshot_id": first, "replaced": [], "captured_at": at_first[0], "run_id": at_first[1]})
+        changed.insert(0, {"snapshot_id": first, "replaced": [], "lost": [], "captured_at": at_first[0],
+                           "run_id": at_first[1]})
     if not changed:
         return []
-    times = dict(conn.execute(
-        f"SELECT snapshot_id, snapshot_time FROM {CATALOG}.snapshots() WHERE snapshot_id IN (SELECT unnest($ids))",
-        {"ids": [v["snapshot_id"] for v in changed]}).fetchall())
+    snaps = {s: (t, r) for s, t, r in conn.execute(
+        f"SELECT snapshot_id, snapshot_time, TRY_CAST(commit_extra_info AS JSON)->>'run_id' FROM {CATALOG}.snapshots() "
+        "WHERE snapshot_id IN (SELECT unnest($ids))", {"ids": [v["snapshot_id"] for v in changed]}).fetchall()}
     out = []
     for v in changed:
-        committed = times.get(v["snapshot_id"])
+        committed, run_id = snaps.get(v["snapshot_id"], (None, None))
+        captured_at = v["captured_at"]
+        if captured_at is None:  # rows lost, the feature's own capture unchanged: its time then
+            (captured_at,) = conn.execute(
+                f"SELECT max(captured_at) FROM {_at(conn, 'feature_captures', v['snapshot_id'])} WHERE {where}", p
+            ).fetchone()
         out.append({
             "feature": str(key), "snapshot_id": v["snapshot_id"],
             "committed_at": committed.astimezone(timezone.utc).replace(tzinfo=None) if committed else None,
-            "run_id": v["run_id"], "captured_at": v["captured_at"], "replaced": v["replaced"],
-            **_state(conn, key, v["snapshot_id"]),
+            "run_id": v["run_id"] or run_id, "captured_at": captured_at, "replaced": v["replaced"],
+            "lost": v["lost"], **_state(conn, key, v["snapshot_id"]),
         })
     return out
 
@@ -172,25 +221,35 @@ def changes_since(conn: duckdb.DuckDBPyConnection, since: str) -> tuple[str, lis
 
     Returns a description of the starting point and one dict per feature:
     ``feature, change (added|removed|changed), what (a list of {field, before, after}),
-    run_id, captured_at`` — ``run_id``/``captured_at`` of the capture loaded now.
+    run_id, captured_at`` — ``run_id``/``captured_at`` of the capture loaded now. A feature is
+    listed when a capture from another input replaced one of its tables, or when its rows changed
+    otherwise (another feature's capture took ids it held, or its own input was read again) and
+    its values differ; a newer capture of the same bytes alone is not a change.
     """
     snap, label = resolve_since(conn, since)
+    _, last = _snapshot_span(conn)
+    touched = " UNION ".join(
+        f"""SELECT DISTINCT model_id, source_id, feature_index
+            FROM ducklake_table_changes('{CATALOG}', 'main', '{t}', {snap + 1}, {last})
+            WHERE change_type IN ('insert', 'delete')""" for t in ("features", *_TAKEN_FROM)
+    ) if snap < last else "SELECT NULL::VARCHAR AS model_id, NULL::VARCHAR AS source_id, NULL::BIGINT AS feature_index LIMIT 0"
     keys = _rows(conn, f"""
         WITH old AS (SELECT * FROM {_at(conn, 'feature_captures', snap)}), new AS (SELECT * FROM feature_captures),
         pairs AS (
             SELECT coalesce(n.model_id, o.model_id) AS model_id, coalesce(n.source_id, o.source_id) AS source_id,
                    coalesce(n.feature_index, o.feature_index) AS feature_index,
                    coalesce(n.table_name, o.table_name) AS table_name,
-                   o.input_sha256 AS old_sha, o.captured_at AS old_at, n.input_sha256 AS new_sha,
-                   n.captured_at AS new_at, n.run_id
-            FROM old o FULL JOIN new n USING (model_id, source_id, feature_index, table_name))
+                   o.input_sha256 AS old_sha, n.input_sha256 AS new_sha, n.captured_at AS new_at, n.run_id
+            FROM old o FULL JOIN new n USING (model_id, source_id, feature_index, table_name)),
+        touched AS (SELECT DISTINCT *, true AS is_touched FROM ({touched}))
         SELECT model_id, source_id, feature_index,
                CASE WHEN bool_and(old_sha IS NULL) THEN 'added' WHEN bool_and(new_sha IS NULL) THEN 'removed'
                     ELSE 'changed' END AS change,
+               bool_or(old_sha IS DISTINCT FROM new_sha) AS recaptured,
                max(run_id) AS run_id, max(new_at) AS captured_at
-        FROM pairs
-        GROUP BY ALL
-        HAVING bool_or(old_sha IS DISTINCT FROM new_sha OR old_at IS DISTINCT FROM new_at)
+        FROM pairs LEFT JOIN touched USING (model_id, source_id, feature_index)
+        GROUP BY model_id, source_id, feature_index
+        HAVING bool_or(old_sha IS DISTINCT FROM new_sha) OR bool_or(is_touched)
         ORDER BY model_id, source_id, feature_index""")
     if not keys:
         return label, []
@@ -229,6 +288,8 @@ def changes_since(conn: duckdb.DuckDBPyConnection, since: str) -> tuple[str, lis
             if old != new:
                 what.append({"field": f, "before": old, "after": new})
         if not what and k["change"] == "changed":
+            if not k["recaptured"]:
+                continue  # rows rewritten, the same values (its own input read again)
             what.append({"field": "capture", "before": "an earlier capture", "after": "a newer capture, same values"})
         result.append({"feature": "/".join(map(str, key)), "change": k["change"], "what": what,
                        "run_id": k["run_id"], "captured_at": k["captured_at"]})

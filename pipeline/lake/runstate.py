@@ -147,8 +147,18 @@ class RunSummary:
     warehouse: str
     status: str = "running"
     n_received: int = 0
+    """Inputs this run saw: ``n_landed + n_reread + n_duplicates + n_unread``, and also
+    ``n_loaded + n_rejected + n_duplicates``."""
     n_landed: int = 0
+    """New: bytes never landed before."""
+    n_reread: int = 0
+    """Landed before and read again: ``--reprocess``, a size limit since raised, or a newer
+    capture of bytes already loaded that changes what is loaded."""
     n_duplicates: int = 0
+    """Landed before and skipped: nothing to read again (a newer capture time is still recorded)."""
+    n_unread: int = 0
+    """Refused before anything was read (a named pipe, a broken link, a folder that cannot be
+    read); counted in ``n_rejected`` too."""
     n_loaded: int = 0
     n_rejected: int = 0
     n_features: int = 0
@@ -188,7 +198,7 @@ class RunSummary:
 
 
 COUNTERS = (
-    "n_received", "n_landed", "n_duplicates", "n_loaded", "n_rejected", "n_features",
+    "n_received", "n_landed", "n_reread", "n_duplicates", "n_unread", "n_loaded", "n_rejected", "n_features",
     "n_activations", "n_explanations", "n_quarantined", "n_superseded", "n_expectations",
     "n_expectations_failed",
 )

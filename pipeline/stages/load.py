@@ -16,8 +16,16 @@ outcome never depends on arrival order:
   with the capture already loaded (``feature_captures``): an older capture is recorded as
   superseded and loads nothing; a newer one replaces the feature's rows.
 
-An activation (or explanation) id is unique in its table: a capture that brings an id another
-feature holds takes it over, and that feature's statistics are refreshed too.
+An activation (or explanation) id is unique in its table and belongs to one feature: among the
+captures that bring it (the batch's, and the one whose row holds it now) the newest keeps it,
+ties again to the larger digest, as if captures were applied in the order they were made, so
+the outcome is the same whether the pages came in one run or several. A capture that takes an
+id from another feature takes its row; that feature's statistics are refreshed too. (What the
+warehouse decides from is what it holds: an id whose holder was since replaced by a capture
+without it goes to the next capture that brings it.)
+
+Each input's claims are kept in ``input_captures`` (``record_captures``), so that bytes seen
+again with a newer capture time are decided without parsing them (``settle_again``).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from .records import ARROW_SCHEMAS
 
 __all__ = [
     "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
-    "insert_rows", "utcnow",
+    "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "AGAIN_READ",
 ]
 
 #: The tables a capture replaces per feature.
@@ -94,6 +102,8 @@ def claim_captures(conn: duckdb.DuckDBPyConnection) -> list[dict]:
                row_number() OVER (PARTITION BY c.model_id, c.source_id, c.feature_index, c.table_name
                                   ORDER BY b.captured_at DESC NULLS LAST, c.input_sha256 DESC) AS rank
         FROM ({' UNION '.join(parts)}) AS c JOIN batch_inputs b USING (input_sha256)""")
+    conn.execute("CREATE OR REPLACE TEMP TABLE batch_captures AS SELECT DISTINCT input_sha256, model_id, source_id, "
+                 "feature_index, table_name FROM all_claims")
     conn.execute("CREATE OR REPLACE TEMP TABLE batch_claims AS SELECT * EXCLUDE (rank) FROM all_claims WHERE rank = 1")
     cur = conn.execute("""
         SELECT l.input_sha256, l.model_id, l.source_id, l.feature_index, l.table_name, l.captured_at,
@@ -144,6 +154,111 @@ def _incoming(conn: duckdb.DuckDBPyConnection, table: str) -> None:
         WHERE s._row NOT IN (SELECT _row FROM failed_rows WHERE tbl = '{table}')""")
 
 
+_OLDEST = "TIMESTAMP '0001-01-01'"
+
+
+def _newest_keeps_each_id(conn: duckdb.DuckDBPyConnection, table: str, row_id: str, has_rows: bool) -> None:
+    """Keep in ``incoming_<table>`` only the rows whose id no newer capture brings: of the
+    batch's rows with one id (from different inputs; copies within one input are refused by
+    validation) the newest capture's, and that only if the capture holding the id now (its
+    feature's in ``feature_captures``) is not newer still."""
+    held = ""
+    if has_rows:
+        held = f"""WHERE NOT EXISTS (
+            SELECT 1 FROM {table} t JOIN feature_captures c ON {_on('c', 't')} AND c.table_name = '{table}'
+            WHERE t.{row_id} = i.{row_id}
+              AND (coalesce(c.captured_at, {_OLDEST}), c.input_sha256)
+                  > (coalesce(i.captured_at_, {_OLDEST}), i.input_sha256))"""
+    conn.execute(f"""
+        CREATE OR REPLACE TEMP TABLE incoming_{table} AS
+        SELECT i.* FROM incoming_{table} i {held}
+        QUALIFY i.{row_id} IS NULL OR row_number() OVER (
+            PARTITION BY i.{row_id} ORDER BY coalesce(i.captured_at_, {_OLDEST}) DESC, i.input_sha256 DESC) = 1""")
+
+
+def record_captures(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str) -> None:
+    """Record what each input the batch parsed holds (``batch_captures``, from ``claim_captures``)
+    in ``input_captures``, replacing what an earlier parse of it recorded."""
+    conn.execute("DELETE FROM input_captures WHERE input_sha256 IN (SELECT input_sha256 FROM batch_inputs)")
+    conn.execute("""INSERT INTO input_captures BY NAME
+                    SELECT c.*, $run_id AS run_id, $now AS recorded_at FROM batch_captures c
+                    WHERE input_sha256 IN (SELECT input_sha256 FROM batch_inputs)""",
+                 {"now": now, "run_id": run_id})
+
+
+#: ``settle_again``'s answer for bytes that must be read again: this capture changes what loads.
+AGAIN_READ = "read"
+
+
+def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> dict[str, str]:
+    """Decide, without parsing them, what inputs already landed bring when they come again with
+    a capture time (``again``: digest → time) newer than any capture of their bytes taken so far.
+
+    Reads the committed state. For each digest: ``"read"`` (:data:`AGAIN_READ`) when this capture
+    is newer than another capture now loaded for one of the (feature, table)s the bytes hold (or
+    nothing says what they hold, or rows of theirs were taken by another feature since): they
+    are read again and load as any capture. ``"retime"`` when they are still what is loaded
+    everywhere this capture would win: only the capture's time moves forward (:func:`retime`).
+    ``"skip"`` otherwise (not newer than what is recorded, older than what is loaded, or bytes
+    that were refused).
+    """
+    if not again:
+        return {}
+    conn.register("_again", pa.table({"input_sha256": pa.array(list(again), pa.string()),
+                                      "captured_at": pa.array(list(again.values()), pa.timestamp("us"))}))
+    try:
+        conn.execute("CREATE OR REPLACE TEMP TABLE again AS SELECT * FROM _again")
+    finally:
+        conn.unregister("_again")
+    rows = conn.execute(f"""
+        WITH claims AS (
+            SELECT c.input_sha256,
+                   bool_or(f.input_sha256 IS NULL OR (f.input_sha256 <> c.input_sha256
+                           AND (a.captured_at, c.input_sha256) > (coalesce(f.captured_at, {_OLDEST}), f.input_sha256)))
+                       AS beats_another,
+                   bool_or(f.input_sha256 = c.input_sha256 AND a.captured_at > coalesce(f.captured_at, {_OLDEST}))
+                       AS newer_than_itself
+            FROM input_captures c JOIN again a USING (input_sha256)
+            LEFT JOIN feature_captures f USING (model_id, source_id, feature_index, table_name)
+            GROUP BY c.input_sha256),
+        held AS (
+            SELECT input_sha256, count(*) FILTER (WHERE t = 'a') AS n_activations,
+                   count(*) FILTER (WHERE t = 'e') AS n_explanations
+            FROM (SELECT input_sha256, 'a' AS t FROM activations WHERE input_sha256 IN (SELECT input_sha256 FROM again)
+                  UNION ALL
+                  SELECT input_sha256, 'e' FROM explanations WHERE input_sha256 IN (SELECT input_sha256 FROM again))
+            GROUP BY input_sha256)
+        SELECT a.input_sha256, CASE
+            WHEN r.input_sha256 IS NULL THEN 'read'
+            WHEN a.captured_at <= coalesce(r.captured_at, {_OLDEST}) OR r.status <> 'loaded' THEN 'skip'
+            WHEN c.input_sha256 IS NULL OR c.beats_another THEN 'read'
+            WHEN c.newer_than_itself AND (coalesce(h.n_activations, 0) < coalesce(r.n_activations, 0)
+                                          OR coalesce(h.n_explanations, 0) < coalesce(r.n_explanations, 0))
+                THEN 'read'  -- rows of its taken by another feature's capture: this newer one takes them back
+            WHEN c.newer_than_itself THEN 'retime'
+            ELSE 'skip' END
+        FROM again a LEFT JOIN raw_inputs r USING (input_sha256)
+        LEFT JOIN claims c USING (input_sha256) LEFT JOIN held h USING (input_sha256)""").fetchall()
+    return dict(rows)
+
+
+def retime(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> None:
+    """Record newer capture times of bytes already loaded (``again``: digest → time): the
+    captures they are still the loaded one of, and their ``raw_inputs`` row, take the newer
+    time (the rows, the same, are not rewritten). Inside the load's transaction."""
+    if not again:
+        return
+    conn.register("_retime", pa.table({"input_sha256": pa.array(list(again), pa.string()),
+                                       "captured_at": pa.array(list(again.values()), pa.timestamp("us"))}))
+    try:
+        for table in ("feature_captures", "raw_inputs"):
+            conn.execute(f"""UPDATE {table} AS t SET captured_at = r.captured_at FROM _retime AS r
+                             WHERE t.input_sha256 = r.input_sha256
+                               AND coalesce(t.captured_at, {_OLDEST}) < r.captured_at""")
+    finally:
+        conn.unregister("_retime")
+
+
 def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *,
                    reprocess: bool = False) -> tuple[dict[str, dict[str, int]], list[dict]]:
     """Replace, for every capture that applies, its feature's rows; the caller holds the
@@ -164,6 +279,8 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
         incoming = f"incoming_{table}"
         has_rows = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
         row_id = _ROW_IDS.get(table)
+        if row_id:
+            _newest_keeps_each_id(conn, table, row_id, has_rows)
         if has_rows:
             claims = f"(SELECT * FROM applied WHERE table_name = '{table}')"
             if row_id:

@@ -36,6 +36,8 @@ __all__ = [
 SUITES = {"features": "feature", "activations": "activation", "explanations": "explanation"}
 
 # Scalar check columns derived from each staged table; the suites refer to these names.
+# ``input_key`` names a record's input (a hash of its digest, small in the frame): an id is
+# unique within its input; two inputs that bring one id are captures, settled by the load.
 _CHECK_SQL = {
     "features": """
         SELECT _row, concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?')) AS record_key,  -- '?' marks a missing part
@@ -45,7 +47,7 @@ _CHECK_SQL = {
         FROM stage_features""",
     "activations": """
         SELECT _row, coalesce(activation_id, '(no id) in ' || page_key) AS record_key,
-               activation_id, feature_index,
+               activation_id, hash(input_sha256) AS input_key, feature_index,
                concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?')) AS feature_key, page_key,
                coalesce(model_id || '/' || source_id || '/' || feature_index = page_key, false)
                    AS feature_key_matches_page,
@@ -63,7 +65,7 @@ _CHECK_SQL = {
         FROM stage_activations""",
     "explanations": """
         SELECT _row, coalesce(explanation_id, '(no id) for ' || concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?'))) AS record_key,
-               explanation_id, feature_index,
+               explanation_id, hash(input_sha256) AS input_key, feature_index,
                coalesce(length(trim(description)), 0) AS description_length
         FROM stage_explanations""",
 }
