@@ -210,6 +210,18 @@ def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) ->
         conn.execute("CREATE OR REPLACE TEMP TABLE again AS SELECT * FROM _again")
     finally:
         conn.unregister("_again")
+    # Most bytes seen again (an unchanged re-run) are not newer than what is recorded: settled
+    # from raw_inputs alone, so the claims and the tables' rows are looked at only for the rest.
+    first = dict(conn.execute(f"""
+        SELECT a.input_sha256, CASE
+            WHEN r.input_sha256 IS NULL THEN 'read'
+            WHEN a.captured_at <= coalesce(r.captured_at, {_OLDEST}) OR r.status <> 'loaded' THEN 'skip'
+            END
+        FROM again a LEFT JOIN raw_inputs r USING (input_sha256)""").fetchall())
+    newer = [sha for sha, decision in first.items() if decision is None]
+    if not newer:
+        return first
+    conn.execute("DELETE FROM again WHERE NOT list_contains($newer, input_sha256)", {"newer": newer})
     rows = conn.execute(f"""
         WITH claims AS (
             SELECT c.input_sha256,
@@ -229,8 +241,6 @@ def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) ->
                   SELECT input_sha256, 'e' FROM explanations WHERE input_sha256 IN (SELECT input_sha256 FROM again))
             GROUP BY input_sha256)
         SELECT a.input_sha256, CASE
-            WHEN r.input_sha256 IS NULL THEN 'read'
-            WHEN a.captured_at <= coalesce(r.captured_at, {_OLDEST}) OR r.status <> 'loaded' THEN 'skip'
             WHEN c.input_sha256 IS NULL OR c.beats_another THEN 'read'
             WHEN c.newer_than_itself AND (coalesce(h.n_activations, 0) < coalesce(r.n_activations, 0)
                                           OR coalesce(h.n_explanations, 0) < coalesce(r.n_explanations, 0))
@@ -239,7 +249,7 @@ def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) ->
             ELSE 'skip' END
         FROM again a LEFT JOIN raw_inputs r USING (input_sha256)
         LEFT JOIN claims c USING (input_sha256) LEFT JOIN held h USING (input_sha256)""").fetchall()
-    return dict(rows)
+    return first | dict(rows)
 
 
 def retime(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> None:
