@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 from ..config import Settings
 from ..ingest import ingest, new_run_id
 from ..lake import warehouse
-from ..stages.receive import Input
+from ..stages.receive import Input, origin_of
 
 log = logging.getLogger("featurehouse")
 
@@ -259,8 +259,8 @@ def drain_inbox(
         return result
     run_id = run_id or new_run_id("inbox")
     result.run_id = run_id
-    inputs = [Input(origin=str(p.resolve()), path=p) for p in pending.ready]
-    inputs += [Input(origin=str(p.absolute()), path=p, refused=why) for p, why in pending.refused]
+    inputs = [Input(origin=origin_of(p), path=p) for p in pending.ready]
+    inputs += [Input(origin=origin_of(p), path=p, refused=why) for p, why in pending.refused]
     summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=False)
     result.run = summary.as_dict()
     judged = verdict(result.run)
