@@ -25,7 +25,7 @@ run: setup ## Ingest the bundled sample pages into $(WAREHOUSE), print the summa
 	@echo "report: $$($(BIN)/featurehouse sql "SELECT report_path FROM runs ORDER BY started_at DESC LIMIT 1" --warehouse $(WAREHOUSE) --format csv | tail -n 1)"
 
 JOBS ?= 2
-PYTEST_ARGS ?= -n $(JOBS) --dist loadgroup --durations=30
+PYTEST_ARGS ?= -n $(JOBS) --dist loadgroup --no-loadscope-reorder --durations=30
 
 test: setup ## Run the whole test suite in $(JOBS) processes (fails if no test is collected); prints its wall time
 	@start=$$(date +%s); set +e; $(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \

@@ -25,13 +25,26 @@ META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quaranti
                 "captured_at")
 
 
+def _weight(item) -> float:
+    mark = item.get_closest_marker("heavy")
+    return float(mark.args[0]) if mark and mark.args else 0.0
+
+
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (``make test``) a module's tests stay together on
     one worker, so its module-scoped fixtures (a warehouse ingested once, an Airflow home) are
-    built once; a test may name a group of its own with ``@pytest.mark.xdist_group``."""
+    built once; a test may name a group of its own with ``@pytest.mark.xdist_group``.
+
+    A test marked ``@pytest.mark.heavy(seconds)`` (a minute of real processes, say) is a group
+    of its own, so two of them run on two workers at once rather than one after another in their
+    module's group; and the heaviest go first (``--no-loadscope-reorder`` keeps this order when
+    xdist hands groups out), so the workers end together instead of one finishing a long test
+    alone at the end. ``heavy`` on a module only orders it."""
     for item in items:
         if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+            own = any(m.name == "heavy" for m in item.own_markers)
+            item.add_marker(pytest.mark.xdist_group(item.nodeid if own else item.module.__name__))
+    items.sort(key=lambda item: -_weight(item))  # stable: the rest keep their order
 
 
 def _find(obj, key):

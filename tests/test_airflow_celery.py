@@ -143,6 +143,7 @@ def _assert_same_tables(cluster: Settings, local: Settings, n: int) -> None:
         assert table_rows(cluster, table) == table_rows(local, table), table
 
 
+@pytest.mark.heavy(200)
 def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_path):
     if pg_bin() is None:
         pytest.fail("PostgreSQL is not installed: .ci/run installs it (apt-get install postgresql)")

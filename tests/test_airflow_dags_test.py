@@ -18,7 +18,7 @@ from pipeline.sources.plan import run_id_for, window_for
 from tests.airflow_helpers import REPO, airflow, airflow_env, fake_neuronpedia_server, init
 from tests.conftest import open_warehouse
 
-pytestmark = pytest.mark.airflow
+pytestmark = [pytest.mark.airflow, pytest.mark.heavy(150)]  # its tests share one Airflow home
 
 LOGICAL_DATE = "2026-11-28T03:00:00+00:00"
 WANTED = list(range(0, 60)) + [150]  # what the config below asks for and the fake serves

@@ -130,6 +130,7 @@ def test_every_command_is_documented_in_the_readme(command):
 # --- for scripts: --strict and --format json ------------------------------------------------
 
 
+@pytest.mark.heavy(40)
 def test_ingest_strict_exits_4_on_fail_and_json_is_all_stdout_holds(tmp_path):
     wh = str(tmp_path / "wh")
     fail = tmp_path / "fail"  # new inputs, none loaded: FAIL

@@ -58,6 +58,7 @@ def fh(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.heavy(110)
 def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_path):
     warehouse = tmp_path / "wh"
     corpus = pages(tmp_path / "in", range(30))
@@ -86,6 +87,7 @@ def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_p
 DUCKDB_CLI = Path(sys.executable).with_name("duckdb")
 
 
+@pytest.mark.heavy(45)
 def test_a_reader_holding_a_connection_and_the_duckdb_cli_never_make_a_load_fail(tmp_path):
     settings = Settings(warehouse=tmp_path / "wh")
     finish(start_ingest(settings.warehouse, pages(tmp_path / "a", range(3))))
@@ -124,6 +126,7 @@ def _same_tables(a: Path, b: Path) -> None:
         assert _rounded(table_rows(a, table)) == _rounded(table_rows(b, table)), f"{table} differs"
 
 
+@pytest.mark.heavy(90)
 def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     one, two = pages(tmp_path / "one", range(0, 8)), pages(tmp_path / "two", range(100, 108))
     both = [start_ingest(tmp_path / "wh", one), start_ingest(tmp_path / "wh", two)]
@@ -136,6 +139,7 @@ def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     assert query(tmp_path / "wh", "SELECT count(*), sum(n_loaded) FROM runs WHERE status = 'succeeded'") == [(2, 16)]
 
 
+@pytest.mark.heavy(75)
 def test_two_concurrent_ingests_of_the_same_corpus_equal_one_ingest(tmp_path):
     corpus = pages(tmp_path / "in", range(8))
     both = [start_ingest(tmp_path / "wh", corpus), start_ingest(tmp_path / "wh", corpus)]
@@ -169,6 +173,7 @@ OUTSIDE_WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy(80)
 def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_path):
     warehouse = tmp_path / "wh"
     finish(start_ingest(warehouse, pages(tmp_path / "v1", range(6), seed=1)))

@@ -103,6 +103,7 @@ def _big_export(path: Path, n_rows: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy(45)
 def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
     """A ~600 MB activations batch loads with a bounded footprint. The Python parser holds the
     text and its objects (measured: 9.7 GB for this batch); DuckDB streams it, spilling past its
@@ -281,6 +282,7 @@ def _big_export_with_a_cut_line(path: Path, n_rows: int, cut: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.heavy(45)
 def test_a_cut_line_in_a_batch_larger_than_duckdbs_cap_is_quarantined_within_2_gib(tmp_path):
     """A batch larger than DuckDB's memory cap (the Python road would hold it whole: it took
     9.7 GB for a batch of 600 MB) loads on DuckDB's streaming road with its one cut line

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import duckdb
 import orjson
+import pytest
 
 from bench.generate import synthetic_page
 from pipeline.config import Settings
@@ -118,6 +119,7 @@ def _table_counts(wh: Path) -> dict[str, int]:
             for t in ("features", "activations", "explanations", "quarantine")}
 
 
+@pytest.mark.heavy(65)
 def test_json_lines_of_whole_pages_load_every_record_of_every_page(tmp_path):
     """A file of whole feature pages, one per line, was read as export rows: its features loaded
     and its activations and explanations were dropped without a word."""

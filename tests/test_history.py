@@ -119,6 +119,7 @@ def _files(settings: Settings) -> dict[str, int]:
     return out
 
 
+@pytest.mark.heavy(35)
 def test_maintenance_expires_old_history_and_merges_small_files(tmp_path):
     settings = Settings(warehouse=tmp_path / "wh")
     for i in range(8):  # an inbox-like trickle: one page per run (small commits stay inline in the catalog)

@@ -211,6 +211,7 @@ def test_shell_opens_the_duckdb_cli_read_only(tmp_path):
 
 
 @pytest.mark.postgres
+@pytest.mark.heavy(40)
 def test_a_postgresql_catalog_with_two_writers_and_a_reader(tmp_path):
     from tests.airflow_helpers import pg_bin, postgres_cluster
     from tests.test_concurrency import finish, pages, start_ingest

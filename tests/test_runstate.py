@@ -12,6 +12,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
+
 from bench.generate import write_pages
 from pipeline import Settings, ingest
 from pipeline.lake import runstate, warehouse
@@ -26,6 +28,7 @@ def _index_row(index: Path, run_id: str) -> str:
     return m.group(1)
 
 
+@pytest.mark.heavy(40)
 def test_a_killed_ingest_shows_as_abandoned_and_the_next_ingest_records_it(tmp_path):
     wh = tmp_path / "wh"
     first = fh("ingest", str(SEED_FLIGHT), "--warehouse", str(wh), "--no-progress")

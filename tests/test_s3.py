@@ -102,6 +102,7 @@ def test_files_ingested_from_disk_land_on_s3(env, tmp_path):
     assert not (s.warehouse / "landing").exists() and not Path("s3:").exists()
 
 
+@pytest.mark.heavy(60)
 def test_on_s3_one_ingest_and_units_at_once_match_one_ingest_on_disk(env, tmp_path):
     """The same window fetched on disk and into S3: one ingest on disk; one ingest on S3; and
     the units of the window ingested at once (threads), as the nightly DAG's mapped ingests do,
