@@ -41,6 +41,7 @@ each task is a call into it.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -77,13 +78,19 @@ def _config() -> dict:
     return raw if isinstance(raw, dict) else {}
 
 
-def _setting(section: str, key: str, default: float, kind: type) -> float:
+MAX_RETRY_DELAY = 86400
+"""The schema's ``maximum`` of ``[schedule] retry_delay`` and ``[fetch] task_retry_delay`` (a day)."""
+
+
+def _setting(section: str, key: str, default: float, kind: type, maximum: float = math.inf) -> float:
     """``[fetch] task_retries`` / ``task_retry_delay`` for the fetch task, ``[schedule]
-    retry_delay`` for the others (plan.py checks them too; a value that is not a number ≥ 0 falls
-    back to the default here and fails the plan task)."""
+    retry_delay`` for the others (plan.py checks them too; a value that is not a finite number
+    from 0 to ``maximum`` falls back to the default here and fails the plan task: TOML's nan, inf
+    or 1e300 in a ``timedelta`` would fail this file's import, and the DAG would vanish)."""
     table = _config().get(section)
     value = table.get(key, default) if isinstance(table, dict) else default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (kind is int and value != int(value)):
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0 <= value <= maximum or (kind is int and value != int(value))):
         return default
     return kind(value)
 
@@ -161,7 +168,7 @@ def _failed(context: dict, task_id: str) -> int:
 default_args = {
     "owner": "featurehouse",
     "retries": 3,
-    "retry_delay": timedelta(seconds=_setting("schedule", "retry_delay", 60.0, float)),
+    "retry_delay": timedelta(seconds=_setting("schedule", "retry_delay", 60.0, float, MAX_RETRY_DELAY)),
     "retry_exponential_backoff": True,
     "max_retry_delay": timedelta(minutes=30),
 }
@@ -194,7 +201,7 @@ def featurehouse_nightly():
     # retried ([fetch] task_retries, task_retry_delay), and a retry asks only for what is missing.
     # A source that does not exist raises SourceNotFound, a ConfigError: it fails at once.
     @task(pool="neuronpedia_api", retries=_setting("fetch", "task_retries", 4, int),
-          retry_delay=timedelta(seconds=_setting("fetch", "task_retry_delay", 60.0, float)),
+          retry_delay=timedelta(seconds=_setting("fetch", "task_retry_delay", 60.0, float, MAX_RETRY_DELAY)),
           max_active_tis_per_dagrun=4)
     def fetch(chunk: dict) -> dict:
         from pipeline.sources.plan import fetch_chunk

@@ -98,7 +98,7 @@ def test_env_overrides_the_file(tmp_path):
         ('[[sources]]\nmodel = "m"\nsource = "s"\nindex = ["0:3"]\n', "unknown key"),
         ('[[sources]]\nmodel = "m"\nsource = "s"\nindices = [1]\n[[sources]]\nmodel = "m"\nsource = "s"\nindices = [2]\n', "listed twice"),
         ('[schedule]\ncron = "nightly"\n', "cron"),
-        ('[schedule]\nretry_delay = -1\n', r"\[schedule\] retry_delay must be a number of seconds \(0 or more\), got -1"),
+        ('[schedule]\nretry_delay = -1\n', r"\[schedule\] retry_delay must be a number of seconds from 0 to 86400 \(a day\), got -1"),
         ('[schedule]\ncron = "61 3 * * *"\n', r"\[schedule\] cron '61 3 \* \* \*' is not a valid cron expression"),
         ('[schedule]\ncron = "0 3 30 2 *"\n', r"\[schedule\] cron '0 3 30 2 \*' is not a valid cron expression"),
         ('[schedule]\ncron = "0 25 * * *"\n', r"\[schedule\] cron '0 25"),

@@ -109,7 +109,9 @@ def _not_a_file(path: Path) -> tuple[os.stat_result | None, str | None]:
     if stat.S_ISREG(st.st_mode):
         return st, None
     if stat.S_ISDIR(st.st_mode) and path.is_symlink():
-        return st, (f"it is a symbolic link to a folder ({os.readlink(path)}); an inbox does not follow links to "
+        # judged by the link's own age: the folder is never read, and a busy one (/tmp) would
+        # keep the link "still being copied" at every drain, for ever
+        return path.lstat(), (f"it is a symbolic link to a folder ({os.readlink(path)}); an inbox does not follow links to "
                     "folders (what it drains is moved out of the inbox); it was not read")
     kind = ("a named pipe (FIFO): reading it would wait for a writer" if stat.S_ISFIFO(st.st_mode)
             else "a socket" if stat.S_ISSOCK(st.st_mode)

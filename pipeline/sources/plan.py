@@ -328,9 +328,24 @@ def _check(raw: dict[str, Any]) -> None:
 
     errors = sorted(jsonschema.Draft202012Validator(_schema()).iter_errors(raw),
                     key=lambda e: [str(p) for p in e.absolute_path])
-    problems = list(dict.fromkeys(_problem(e, raw) for e in errors))
+    # TOML has nan and inf, and a schema's minimum and maximum never refuse NaN (every
+    # comparison with it is false): no setting means either, so each is refused here.
+    problems = list(dict.fromkeys([*(_problem(e, raw) for e in errors),
+                                   *(f"{_where(path, raw)} must be {_rule(path) or 'a finite number'}, got {value!r}"
+                                     for path, value in _not_finite(raw))]))
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def _not_finite(value: Any, path: tuple = ()) -> list[tuple[tuple, float]]:
+    """Every nan, inf and -inf in the file, with where it is."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [(path, value)]
+    if isinstance(value, dict):
+        return [found for k, v in value.items() for found in _not_finite(v, (*path, k))]
+    if isinstance(value, list):
+        return [found for i, v in enumerate(value) for found in _not_finite(v, (*path, i))]
+    return []
 
 
 def _env_value(name: str, raw: str, rule: dict[str, Any]) -> Any:
