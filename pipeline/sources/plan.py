@@ -204,6 +204,8 @@ class InboxPlan:
     """As :attr:`Plan.inbox_keep_days`."""
 
 
+#: The largest feature index a page may carry (parse.check_page holds pages to it too).
+MAX_INDEX = 2**63 - 1
 _RANGE = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 
 
@@ -222,6 +224,9 @@ def _parse_range(spec: Any, where: str) -> tuple[int, int]:
         raise ConfigError(f"{where}: {spec!r} is not an index range (write \"start:stop\" or an index)")
     if start < 0 or stop <= start:
         raise ConfigError(f"{where}: range {start}:{stop} is empty or negative")
+    if stop > MAX_INDEX + 1:
+        raise ConfigError(f"{where}: range {start}:{stop} runs past the largest feature index, {MAX_INDEX:,} "
+                          "(a 64-bit integer, as a page's index is)")
     return start, stop
 
 
