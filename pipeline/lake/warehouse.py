@@ -790,8 +790,10 @@ def _refused_in(tree: Any, known: set[tuple[str, str, str]], ctes: frozenset[str
         return None
     if not isinstance(tree, dict):
         return None
-    if isinstance(tree.get("cte_map"), dict):
-        ctes = ctes | {entry["key"].lower() for entry in tree["cte_map"].get("map", [])}
+    outer = ctes
+    entries = tree["cte_map"].get("map", []) if isinstance(tree.get("cte_map"), dict) else []
+    names = [entry["key"].lower() for entry in entries]
+    ctes = ctes | set(names)
     kind = tree.get("type")
     if "class" in tree:  # an expression
         if tree["class"] == "FUNCTION" and tree.get("function_name", "").lower() in _SCALAR_REFUSED:
@@ -821,10 +823,17 @@ def _refused_in(tree: Any, known: set[tuple[str, str, str]], ctes: frozenset[str
             return f"SHOW {tree.get('table_name')}"
     for key, value in tree.items():
         if key != "cte_map" and isinstance(value, (dict, list)):
-            if found := _refused_in(value, known, ctes):
+            # a recursive CTE names itself in its recursive part only (its anchor, the left,
+            # reads a table or file of that name)
+            seen = ctes | {tree["cte_name"].lower()} if kind == "RECURSIVE_CTE_NODE" and key == "right" else ctes
+            if found := _refused_in(value, known, seen):
                 return found
-    if isinstance(tree.get("cte_map"), dict):  # the CTEs' own bodies (they may name each other)
-        return _refused_in(tree["cte_map"], known, ctes)
+    # The CTEs' own bodies, each seeing only the CTEs before it (and those of enclosing queries):
+    # DuckDB binds a name a body gives to itself or to a later CTE as a table, or a file
+    # (``WITH a AS (FROM 'x.csv'), "x.csv" AS (SELECT 1) FROM a`` reads x.csv).
+    for i, entry in enumerate(entries):
+        if found := _refused_in(entry.get("value"), known, outer | set(names[:i])):
+            return found
     return None
 
 
