@@ -169,7 +169,7 @@ class _Resolver:
         if s == "$undefined":
             return _UNDEFINED
         if c == "n" and s[2:].lstrip("-").isdigit():
-            return int(s[2:])
+            return _bigint(s[2:])
         if s in ("$I", "$Infinity"):
             return math.inf
         if s == "$-Infinity":
@@ -252,6 +252,18 @@ def _check_expansion(value: Any, limit: int) -> None:
         return n
 
     size(value)
+
+
+def _bigint(digits: str) -> int | float:
+    """A ``$n`` BigInt as the same digits written as a JSON number read in the Python road
+    (orjson): an int from -2**63 to 2**64 - 1, a float beyond (a 5,000-digit one is inf). An
+    int past 64 bits stopped the run where a record was written out as JSON (orjson cannot), and
+    Python refuses to convert over 4,300 digits to an int."""
+    if len(digits.lstrip("-")) <= 20:
+        value = int(digits)
+        if -(2**63) <= value < 2**64:
+            return value
+    return float(digits)
 
 
 def decode(rows: dict[str, Any], value: Any, *, max_units: int | None = None) -> Any:
