@@ -5,6 +5,8 @@ Each test failed on the code before its fix.
 
 from __future__ import annotations
 
+import contextlib
+
 import duckdb
 import pytest
 
@@ -95,3 +97,68 @@ def test_a_bigint_past_64_bits_in_flight_text_does_not_stop_the_run(tmp_path, se
     assert query(settings, "SELECT count(*) FROM features")[0][0] == 6
     assert query(settings, "SELECT data_index FROM activations WHERE feature_index = 101 AND data_index IS NOT NULL") \
         == [("1e+30",)]
+
+
+# --- a full disk under the catalog -----------------------------------------------------------------
+#
+# SQLite says "database or disk is full" when a commit cannot be written: that matched the commit
+# conflicts' pattern ("Failed to commit DuckLake transaction"), so it was retried 8 times over
+# ~11 s, logged as "commit conflict", then reported as "still conflicting after 8 attempts", with
+# four tracebacks when the run's end could not be recorded. And a catalog whose write-ahead-log
+# index could not be made on the full disk ("disk I/O error") was called unreadable: "restore it
+# from a backup, or move it away to start a new warehouse" — which loses a sound warehouse.
+
+
+def test_a_full_disk_is_not_a_commit_conflict():
+    from pipeline.lake.landing import disk_full
+    from pipeline.lake.warehouse import is_conflict
+
+    full = duckdb.TransactionException('TransactionContext Error: Failed to commit: Failed to commit DuckLake '
+                                       'transaction.\nFailed to commit: Failed to execute query "COMMIT": '
+                                       'database or disk is full')
+    assert not is_conflict(full) and disk_full(full)
+    busy = duckdb.TransactionException("TransactionContext Error: Failed to commit: Failed to commit DuckLake "
+                                       "transaction.\nFailed to commit: database is locked")
+    assert is_conflict(busy) and not disk_full(busy)
+
+
+def test_a_catalog_on_a_full_disk_is_said_to_be_on_a_full_disk_not_damaged(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.formats import to_api_json
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here")
+    fh = str(Path(sys.executable).with_name("featurehouse"))
+    try:
+        (tmp_path / "in").mkdir()
+        (tmp_path / "in" / "a.json").write_bytes(to_api_json(good_page(1)))
+        wh = disk / "wh"
+        proc = subprocess.run([fh, "ingest", str(tmp_path / "in"), "--warehouse", str(wh), "--no-progress"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # the disk fills up
+        with contextlib.suppress(OSError):
+            while os.write(fd, b"\0" * (64 << 10)):
+                pass
+        os.close(fd)
+        (wh / "catalog.sqlite-shm").unlink(missing_ok=True)
+        (tmp_path / "in" / "b.json").write_bytes(to_api_json(good_page(2)))
+        for args in (["status"], ["ingest", str(tmp_path / "in"), "--no-progress"]):
+            proc = subprocess.run([fh, *args, "--warehouse", str(wh)], capture_output=True, text=True, timeout=300)
+            assert proc.returncode == 1, proc.stdout + proc.stderr
+            assert "Traceback" not in proc.stderr and "conflict" not in proc.stderr, proc.stderr
+            assert "the disk that holds it is full" in proc.stderr, proc.stderr
+            assert "restore it from a backup" not in proc.stderr, proc.stderr
+        os.unlink(disk / "filler")  # once there is room, the warehouse is as it was
+        proc = subprocess.run([fh, "ingest", str(tmp_path / "in"), "--warehouse", str(wh), "--no-progress"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(r[0] for r in query(wh, "SELECT feature_index FROM features")) == [1, 2]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

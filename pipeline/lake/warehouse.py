@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import sqlite3
 import struct
 import sys
@@ -213,7 +214,15 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
                             "AND scope IS NULL").fetchone() if "ducklake_metadata" in tables else None
         return True, (row[0] if row else None)
     except duckdb.Error as exc:
-        raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({(str(exc).strip() or type(exc).__name__).splitlines()[0]}); "
+        said = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(path.parent).free
+            if free < 1 << 20 or _DISK_FULL.search(str(exc)):
+                # SQLite cannot make the index of its write-ahead log ("disk I/O error"): the
+                # catalog is not damaged, and moving it away would lose the warehouse
+                raise BadCatalog(f"the warehouse's catalog {path} cannot be opened ({said}): the disk that holds "
+                                 f"it is full ({free:,} bytes free); free some space and run again") from None
+        raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({said}); "
                          "restore it from a backup, or move it away to start a new warehouse") from None
     finally:
         if own:
@@ -636,9 +645,14 @@ _RETRYABLE = re.compile(
 )
 
 
+#: A full disk under the catalog or the data files: "Failed to commit DuckLake transaction" too,
+#: but no retry helps (they spent seconds, logged as commit conflicts).
+_DISK_FULL = re.compile(r"database or disk is full|No space left on device|SQLITE_FULL", re.I)
+
+
 def is_conflict(exc: BaseException) -> bool:
     """True for an error that another writer's commit caused (retrying the transaction helps)."""
-    return isinstance(exc, duckdb.Error) and bool(_RETRYABLE.search(str(exc)))
+    return isinstance(exc, duckdb.Error) and bool(_RETRYABLE.search(str(exc))) and not _DISK_FULL.search(str(exc))
 
 
 @dataclass
