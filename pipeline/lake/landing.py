@@ -33,7 +33,7 @@ def disk_full(exc: BaseException) -> bool:
     """Whether ``exc`` (an OS error, DuckDB's IO error, or one raised from either) is a full disk."""
     while exc is not None:
         if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(exc) \
-                or "database or disk is full" in str(exc):  # SQLite's (the catalog's) word for it
+                or "database or disk is full" in str(exc) or "SQLITE_FULL" in str(exc):  # SQLite's (the catalog's) words
             return True
         exc = exc.__cause__
     return False

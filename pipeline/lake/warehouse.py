@@ -40,6 +40,7 @@ import duckdb
 import orjson
 
 from ..config import SCHEMAS_DIR, Settings
+from .landing import disk_full
 
 
 def utcnow() -> datetime:
@@ -217,7 +218,7 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
         said = (str(exc).strip() or type(exc).__name__).splitlines()[0]
         with contextlib.suppress(OSError):
             free = shutil.disk_usage(path.parent).free
-            if free < 1 << 20 or _DISK_FULL.search(str(exc)):
+            if free < 1 << 20 or disk_full(exc):
                 # SQLite cannot make the index of its write-ahead log ("disk I/O error"): the
                 # catalog is not damaged, and moving it away would lose the warehouse
                 raise BadCatalog(f"the warehouse's catalog {path} cannot be opened ({said}): the disk that holds "
@@ -645,14 +646,13 @@ _RETRYABLE = re.compile(
 )
 
 
-#: A full disk under the catalog or the data files: "Failed to commit DuckLake transaction" too,
-#: but no retry helps (they spent seconds, logged as commit conflicts).
-_DISK_FULL = re.compile(r"database or disk is full|No space left on device|SQLITE_FULL", re.I)
 
 
 def is_conflict(exc: BaseException) -> bool:
     """True for an error that another writer's commit caused (retrying the transaction helps)."""
-    return isinstance(exc, duckdb.Error) and bool(_RETRYABLE.search(str(exc))) and not _DISK_FULL.search(str(exc))
+    # a full disk under the catalog or the data files reads "Failed to commit DuckLake
+    # transaction" too, but no retry helps (they spent seconds, logged as commit conflicts)
+    return isinstance(exc, duckdb.Error) and bool(_RETRYABLE.search(str(exc))) and not disk_full(exc)
 
 
 @dataclass
