@@ -98,6 +98,7 @@ CASES: dict[str, tuple[bytes, set[str]]] = {
     "excerpt_not_empty": (_page(207, _act(tokens=[], values=[], maxValue=None, maxValueTokenIndex=None, minValue=None)),
                           {"max_value_token_index_in_excerpt", "min_value_not_above_max_value"}),
     "values_not_null": (_page(208, _act(values=[None, 1.5, 3.25, 0.0])), set()),
+    "tokens_not_null": (_page(215, _act(tokens=["a", None, "c", "d"])), set()),
     "values_finite": (_flight_page(209, _act(values=[math.inf, 1.5, 3.25, 0.0])), {"max_value_is_max_of_values"}),
     "max_value_is_max_of_values": (_page(210, _act(maxValue=3.0)), {"max_value_token_index_points_at_max"}),
     "max_value_token_index_not_negative": (_page(211, _act(maxValueTokenIndex=-1)),

@@ -170,3 +170,31 @@ def test_maintain_refuses_to_delete_a_file_outside_the_data_folder(wh, tmp_path)
         with pytest.raises(MaintenanceRefused, match="outside the warehouse's data folder"):
             body(conn)
     assert outside.exists()
+
+
+def test_a_copied_or_moved_warehouse_ingests_its_own_fetched_pages_and_fetches_nothing_again(tmp_path):
+    """A fetch window's manifest recorded each body's absolute landed path: a copy ingested the
+    original's landing files (gone when the original was removed: "missing; fetch again"), and a
+    moved warehouse fetched every page again. Bodies are now found by digest in the warehouse's
+    own landing area."""
+    from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
+    from tests.fetch_support import FAST, MODEL, SOURCE, pages
+
+    from pipeline.sources.fetch import fetch_features, ingest_fetched
+
+    original, copy, moved = tmp_path / "wh", tmp_path / "wh-copy", tmp_path / "wh-moved"
+    with FakeNeuronpedia(pages=pages(5)) as np:
+        first = fetch_features(MODEL, SOURCE, range(5), settings=Settings(warehouse=original),
+                               base_url=np.base_url, window="w", **FAST)
+        assert first.n_landed == 5
+        shutil.copytree(original, copy, symlinks=True)  # cp -a, before anything is ingested
+        shutil.move(original, moved)                     # then mv: nothing is left where it was
+        again = fetch_features(MODEL, SOURCE, range(5), settings=Settings(warehouse=moved),
+                               base_url=np.base_url, window="w", **FAST)
+        assert (again.n_landed, again.n_skipped_already_landed) == (0, 5)
+        assert np.count(feature_path(0)) == 1  # asked once, by the first fetch only
+    for wh in (copy, moved):
+        summary = ingest_fetched("w", Settings(warehouse=wh), report_after=False)
+        assert (summary.status, summary.n_loaded, summary.n_rejected) == ("succeeded", 5, 0), summary
+        assert reads_everything(wh)[1] != "0"
+    assert not original.exists()

@@ -48,7 +48,7 @@ from .exports import (
     export_prefix,
     select_exports,
 )
-from .manifest import Manifest, manifest_path, read_manifest
+from .manifest import Manifest, landed_where, manifest_path, read_manifest
 
 __all__ = [
     "DEFAULT_BASE_URL",
@@ -304,7 +304,7 @@ def settle_source(result: FetchResult, model: str, source: str, url: str, missin
     the failure."""
     settings = settings or Settings.from_env()
     key = f"{model}/{source}"
-    manifest = Manifest(manifest_path(result.window, settings))
+    manifest = Manifest(manifest_path(result.window, settings), settings.landing_root)
     try:
         if missing is None and manifest.entries.get(key, {}).get("status") != "failed":
             return
@@ -355,7 +355,7 @@ def fetch_features(
         raise ValueError("give either feature indices or all_features=True (not both, not neither)")
     settings = settings or Settings.from_env()
     window = window or new_run_id("fetch")
-    manifest = Manifest(manifest_path(window, settings))
+    manifest = Manifest(manifest_path(window, settings), settings.landing_root)
     result = FetchResult(window=window, manifest=str(manifest.path))
     started = time.monotonic()
     client = Client(api_key=api_key, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
@@ -430,7 +430,7 @@ def fetch_exports(
     """
     settings = settings or Settings.from_env()
     window = window or new_run_id("fetch")
-    manifest = Manifest(manifest_path(window, settings))
+    manifest = Manifest(manifest_path(window, settings), settings.landing_root)
     result = FetchResult(window=window, manifest=str(manifest.path))
     started = time.monotonic()
     client = Client(api_key=None, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
@@ -491,22 +491,24 @@ def _window_inputs(entries: Iterable[dict[str, Any]], settings: Settings,
     remote: list[dict[str, Any]] = []
     for e in entries:
         if e.get("status") == "landed":
-            if s3.is_s3(e.get("landed_path")):
-                remote.append(e)
+            where = landed_where(e, settings.landing_root)
+            if where is None:
+                e = e | {"status": "failed", "last_error": "the manifest line names no digest; fetch again"}
+            elif s3.is_s3(where):
+                remote.append(e | {"landed_path": str(where)})
                 continue
-            path = Path(e["landed_path"])
-            if path.exists():
-                local.append(Input(origin=e["url"], path=path, captured_at=_fetched_at(e)))
+            elif Path(where).exists():
+                local.append(Input(origin=e["url"], path=Path(where), captured_at=_fetched_at(e)))
                 continue
-            e = e | {"status": "failed", "last_error": f"landed file {path} is missing; fetch again"}
+            else:
+                e = e | {"status": "failed", "last_error": f"landed file {where} is missing; fetch again"}
         if e.get("status") in ("failed", "not_found"):
             failures.append(e)
     if not remote:
         return local
 
     def read(e: dict[str, Any]) -> Input | None:
-        small = (e.get("n_bytes") or 0) <= settings.max_input_bytes and not e["landed_path"].endswith(".gz") \
-            and e.get("kind") != "export"
+        small = (e.get("n_bytes") or 0) <= settings.max_input_bytes and e.get("kind") != "export"
         try:
             data = s3.get_bytes(e["landed_path"], settings) if small else None
         except Exception as exc:  # gone from the bucket: fetch it again next time

@@ -15,9 +15,9 @@ import orjson
 
 from ..config import Settings
 from ..lake import s3
-from ..lake.landing import Where, landed_exists
+from ..lake.landing import Where, landed_exists, landed_path
 
-__all__ = ["manifest_path", "read_manifest", "Manifest"]
+__all__ = ["manifest_path", "read_manifest", "landed_where", "Manifest"]
 
 # --- manifest -----------------------------------------------------------------------------
 
@@ -32,6 +32,17 @@ def manifest_path(window: str, settings: Settings | None = None) -> Where:
     if s3.is_s3(root):
         return f"{root}/fetch/{window}/"
     return Path(root) / "fetch" / f"{window}.jsonl"
+
+
+def landed_where(entry: dict[str, Any], landing_root: Where) -> Where | None:
+    """Where an entry's body is in *this* landing area, found by its digest (the landing area is
+    content-addressed). A line's ``landed_path`` says where it was written, which for a copied
+    or moved warehouse is the other folder's: read there, a copy would load the original's
+    files and a moved warehouse fetch everything again."""
+    sha = entry.get("sha256")
+    if isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha):
+        return landed_path(landing_root, sha)
+    return None
 
 
 def _lines(data: bytes, entries: dict[str, dict[str, Any]]) -> None:
@@ -71,8 +82,9 @@ class Manifest:
     _S3_FLUSH_LINES = 200
     _S3_FLUSH_SECONDS = 5.0
 
-    def __init__(self, path: Where):
+    def __init__(self, path: Where, landing_root: Where):
         self.path = path
+        self.landing_root = landing_root
         self.on_s3 = s3.is_s3(path)
         if not self.on_s3:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +98,8 @@ class Manifest:
     def landed(self, key: str) -> dict[str, Any] | None:
         e = self.entries.get(key)
         if e and e.get("status") in ("landed", "empty"):
-            if e["status"] == "empty" or (e.get("landed_path") and landed_exists(e["landed_path"])):
+            where = landed_where(e, self.landing_root)
+            if e["status"] == "empty" or (where is not None and landed_exists(where)):
                 return e
         return None
 

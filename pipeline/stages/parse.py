@@ -402,7 +402,8 @@ class SchemaError(ValueError):
 #: JSON Schema's types as Python types (and simdjson's view's); "integer" and "number" are
 #: tested apart: a bool is a Python int but no JSON number, and 3.0 is a JSON Schema integer.
 _PY_TYPES: dict[str, tuple[type, ...]] = {
-    "object": _OBJECTS, "array": _ARRAYS, "string": (str,), "null": (type(None),), "boolean": (bool,),
+    # a flight "$D" date is decoded to a datetime; the API sends the same value as a string
+    "object": _OBJECTS, "array": _ARRAYS, "string": (str, datetime), "null": (type(None),), "boolean": (bool,),
 }
 
 
@@ -494,6 +495,8 @@ def _compile(schema: dict) -> _Check:
         search = re.compile(pattern).search
 
         def check_pattern(v: Any, path: tuple, errors: list) -> None:
+            if isinstance(v, datetime):
+                v = _json_default(v)  # the text the API sends for it
             if isinstance(v, str) and not search(v):
                 errors.append(_Fault(path, lambda: f"{_show(v)} does not match {pattern!r}"))
         checks.append(check_pattern)
@@ -501,6 +504,8 @@ def _compile(schema: dict) -> _Check:
         n = schema["minLength"]
 
         def check_length(v: Any, path: tuple, errors: list) -> None:
+            if isinstance(v, datetime):
+                v = _json_default(v)
             if isinstance(v, str) and len(v) < n:
                 errors.append(_Fault(path, lambda: f"{_show(v)} {'should be non-empty' if n == 1 else 'is too short'}"))
         checks.append(check_length)
@@ -742,13 +747,23 @@ def _floats(v: Any) -> list[float] | None:
 def _strs(v: Any) -> list[str] | None:
     if not isinstance(v, list):
         return None
-    return [x if type(x) is str else (None if x is None else str(x)) for x in v]
+    return [x if type(x) is str else _str(x) for x in v]
 
 
 def _str(v: Any) -> str | None:
-    if v is None:
-        return None
-    return v if isinstance(v, str) else str(v)
+    """Text as DuckDB's typed read of the same JSON makes it, so both roads store one thing: a
+    string as is, ``true``/``false``, a number as DuckDB (and Python's ``repr``) writes it, an
+    object or a list as its compact JSON, a flight ``$D`` date as the API writes dates; null
+    stays null (an excerpt token that is null is refused by ``tokens_not_null``)."""
+    if v is None or isinstance(v, str):
+        return v
+    if v is True or v is False:
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, datetime):
+        return _json_default(v)
+    return _json(v)
 
 
 def _json_default(v: Any) -> Any:

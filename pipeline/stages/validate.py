@@ -52,6 +52,7 @@ _CHECK_SQL = {
                coalesce(model_id || '/' || source_id || '/' || feature_index = page_key, false)
                    AS feature_key_matches_page,
                coalesce(len(tokens), 0) AS n_tokens, coalesce(len("values"), 0) AS n_values,
+               coalesce(len(tokens) - list_count(tokens), 0) AS n_null_tokens,
                coalesce(len("values") - list_count("values"), 0) AS n_null_values,
                -- NaN and infinities make the sum non-finite: count them only then
                CASE WHEN isfinite(coalesce(list_sum("values"), 0)) THEN 0
