@@ -141,10 +141,13 @@ assert set(_DATA_TABLES) == set(DATA_TABLES)
 
 
 def _mtime(path: Path | None) -> datetime:
-    """A file's modification time as naive UTC (now for bytes in hand)."""
+    """A file's modification time as naive UTC (now for bytes in hand). A time in the future
+    (a wrong clock, ``touch -d 2099-01-01``) counts as now: else that capture would beat every
+    later one for ever."""
+    now = utcnow()
     if path is None:
-        return utcnow()
-    return datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).replace(tzinfo=None)
+        return now
+    return min(datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).replace(tzinfo=None), now)
 
 
 class _Run:
@@ -669,5 +672,11 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
         path = report.write_report(conn, summary.run_id, settings=settings)
         summary.report_path = str(path)
         runstate.record_report(conn, settings, summary.run_id, path)
-    except Exception:
-        log.exception("could not write the report for run %s", summary.run_id)
+    except Exception as exc:
+        if not disk_full(exc):
+            log.exception("could not write the report for run %s", summary.run_id)
+            return
+        # the run's data is loaded and recorded: a full disk is said, not a traceback
+        log.error("could not write the report for run %s: the disk is full (%s); the run's data is "
+                  "loaded: free some space, then `featurehouse report --run %s`", summary.run_id,
+                  str(exc).splitlines()[0][:200], summary.run_id)

@@ -15,6 +15,7 @@ import copy
 import csv
 import io
 import json
+import contextlib
 import os
 import shutil
 import subprocess
@@ -42,9 +43,9 @@ FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 JAN, FEB, MAR = T0, T0 + timedelta(days=31), T0 + timedelta(days=59)
 
 
-def fh(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def fh(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ))
+                          env={**os.environ, **(env or {})})
 
 
 def _adds_up(s) -> None:
@@ -405,3 +406,29 @@ def test_the_summary_line_names_every_category(capsys):
     out = capsys.readouterr().out
     assert "received 7 = new 1 + read again 2 + already landed 3 + not readable 1" in out
     assert "loaded 2, rejected 2 (1 not readable), skipped 3" in out
+
+
+def test_a_full_disk_under_the_reports_after_a_good_load_is_said_without_a_traceback(tmp_path):
+    """The data loaded, then writing the report (and Great Expectations' Data Docs) on a full
+    disk logged tracebacks; now one line says the disk is full and how to write it later."""
+    disk = tmp_path / "reports"
+    if not _small_disk(disk):
+        pytest.skip("no tmpfs can be mounted here (needs root)")
+    try:
+        with (disk / "filler").open("wb") as f:  # fill it
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        inputs = tmp_path / "in"
+        write(inputs / "a.json", to_api_json(good_page(1)))
+        wh = tmp_path / "wh"
+        proc = fh("ingest", str(inputs), "--warehouse", str(wh), "--no-progress",
+                  env={"FEATUREHOUSE_REPORTS": str(disk)})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert "could not write the report for run" in proc.stderr and "the disk is full" in proc.stderr
+        assert "featurehouse report --run run-" in proc.stderr
+        assert query(wh, "SELECT count(*) FROM features") == [(1,)]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

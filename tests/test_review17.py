@@ -162,3 +162,27 @@ def test_a_catalog_on_a_full_disk_is_said_to_be_on_a_full_disk_not_damaged(tmp_p
         assert sorted(r[0] for r in query(wh, "SELECT feature_index FROM features")) == [1, 2]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_capture_dated_in_the_future_does_not_beat_later_captures(tmp_path):
+    """A file whose mtime was in the future (a wrong clock, ``touch -d 2099``) kept its feature
+    for ever: every later capture, older by its own time, lost to it."""
+    import os
+
+    from pipeline.config import Settings
+    from tests.conftest import write
+    from tests.formats import to_api_json
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    old = good_page(7, source="future-src")
+    old["explanations"][0]["description"] = "from a clock that ran ahead"
+    first = write(tmp_path / "a" / "page.json", to_api_json(old))
+    os.utime(first, (4070908800, 4070908800))  # 2099-01-01
+    assert run_ingest([first], settings).n_loaded == 1
+    new = good_page(7, source="future-src")
+    new["explanations"][0]["description"] = "captured later"
+    second = write(tmp_path / "b" / "page.json", to_api_json(new))
+    assert run_ingest([second], settings).status == "succeeded"
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("captured later",)]
+    (when,) = query(settings.warehouse, "SELECT max(captured_at) FROM raw_inputs")[0]
+    assert when.year < 2099

@@ -30,6 +30,7 @@ import duckdb
 
 from ..config import Settings
 from ..lake import runstate
+from ..lake.landing import disk_full
 from ..lake import warehouse as warehouse_mod
 from ..names import BadRunId, check_run_id
 from ..stages import validate
@@ -687,8 +688,11 @@ def _data_docs(gx_project: Path, run_id: str, out_dir: Path) -> dict[str, Any] |
         return None
     try:
         pages = validate.build_data_docs(gx_project, run_id)
-    except Exception:
-        log.exception("could not build Great Expectations Data Docs for run %s", run_id)
+    except Exception as exc:
+        if disk_full(exc):
+            log.error("could not build Great Expectations Data Docs for run %s: the disk is full", run_id)
+        else:
+            log.exception("could not build Great Expectations Data Docs for run %s", run_id)
         return None
     if not pages:
         return None
