@@ -29,7 +29,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from .config import Settings
-from .lake import runstate, warehouse
+from .lake import runstate, s3, warehouse
 from .lake.landing import disk_full, open_landed, read_landed
 from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
@@ -44,6 +44,7 @@ from .stages.load import (
     STAGED_ACTIVATIONS,
     claim_captures,
     insert_rows,
+    prewrite,
     record_captures,
     replace_staged,
     retime,
@@ -387,9 +388,16 @@ class _Run:
         ]
         shas = [landed.sha256 for landed, _, _ in batch.inputs]
 
+        # The batch's rows are written before the commit lock is taken; the commit adds the
+        # files to the catalog (and writes the rows itself only where another writer's commit
+        # since changed what loads): the lock is held for metadata, not for writing data.
+        prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess)
+        if batch.retimes:
+            prewritten.snapshot = -1  # the commit moves capture times first: it decides again after
+
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
             retime(conn, batch.retimes)
-            loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess)
+            loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess, prewritten=prewritten)
             record_captures(conn, now, run_id)
             for table in REFERENCE_KEYS:
                 upsert_reference(conn, table, now)
@@ -437,6 +445,13 @@ class _Run:
 
         delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
                                               extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+        # committed: a file the commit did not add is no table's (after a failure, all of them
+        # stay for `maintain` to delete: whether a failed commit added them is not known here)
+        for path in prewritten.unused():
+            try:
+                s3.delete(path, self.settings) if is_s3(path) else os.unlink(path)
+            except Exception as exc:  # an orphan: maintain deletes it later
+                log.warning("could not remove the unused data file %s: %s", path, exc)
         if s.part is not None:
             s.written = counts
         for c, n in delta.items():

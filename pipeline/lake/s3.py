@@ -109,6 +109,12 @@ def put_bytes(url: str, data: bytes, settings: Settings | None = None) -> None:
     client(settings).put_object(Bucket=u.bucket, Key=u.key, Body=data)
 
 
+def delete(url: str, settings: Settings | None = None) -> None:
+    """Remove an object (absent is fine): a data file written for a commit that did not add it."""
+    u = S3Url.parse(url)
+    client(settings).delete_object(Bucket=u.bucket, Key=u.key)
+
+
 def put_if_absent(url: str, data: bytes, settings: Settings | None = None) -> bool:
     """Create the object with ``data`` unless it exists; True when this call created it."""
     from botocore.exceptions import ClientError

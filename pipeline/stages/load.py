@@ -30,18 +30,21 @@ again with a newer capture time are decided without parsing them (``settle_again
 
 from __future__ import annotations
 
+import os
+import uuid
+from dataclasses import dataclass, field
 from datetime import datetime
 
 import duckdb
 import pyarrow as pa
 
-from ..lake.warehouse import utcnow
+from ..lake.warehouse import CATALOG, data_path, utcnow
 from .materialise import excerpt_from
 from .records import ARROW_SCHEMAS
 
 __all__ = [
     "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
-    "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "AGAIN_READ",
+    "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "AGAIN_READ", "Prewritten", "prewrite",
 ]
 
 #: The tables a capture replaces per feature.
@@ -269,28 +272,136 @@ def retime(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> None:
         conn.unregister("_retime")
 
 
+def _plan(conn: duckdb.DuckDBPyConnection, reprocess: bool) -> dict[str, bool]:
+    """Decide against the snapshot the connection reads: ``applied`` (the captures that load)
+    and ``incoming_<table>`` (the rows that load) for every data table. Returns whether each
+    table holds rows already."""
+    _decide(conn, reprocess)
+    has_rows = {}
+    for table in DATA_TABLES:
+        _incoming(conn, table)
+        has_rows[table] = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
+        row_id = _ROW_IDS.get(table)
+        if row_id:
+            _newest_keeps_each_id(conn, table, row_id, has_rows[table])
+    return has_rows
+
+
+@dataclass
+class Prewritten:
+    """A batch's rows written as Parquet files before the commit lock is taken (``prewrite``):
+    the locked commit adds them to the catalog (``ducklake_add_data_files``) instead of writing
+    them, when what it decides against the latest snapshot is what they were written for."""
+
+    snapshot: int
+    """The snapshot the rows were decided against."""
+    has_rows: dict[str, bool] = field(default_factory=dict)
+    """Whether each table held rows at that snapshot."""
+    files: dict[str, str] = field(default_factory=dict)
+    """table → the Parquet file of its incoming rows (a table with none has no file)."""
+    used: set[str] = field(default_factory=set)
+    """Tables whose file the last commit attempt added."""
+
+    def unused(self) -> list[str]:
+        return [path for table, path in self.files.items() if table not in self.used]
+
+
+def _table_folder(conn: duckdb.DuckDBPyConnection, table: str) -> str:
+    """The folder DuckLake writes ``table``'s data files in (under the lake's data path as it is
+    open), so a file added from there is recorded relative to it, as DuckLake's own are."""
+    meta = f"__ducklake_metadata_{CATALOG}"
+    schema_path, schema_rel, table_path, table_rel = conn.execute(f"""
+        SELECT s.path, s.path_is_relative, t.path, t.path_is_relative
+        FROM {meta}.ducklake_table t JOIN {meta}.ducklake_schema s USING (schema_id)
+        WHERE t.table_name = ? AND s.schema_name = 'main' AND t.end_snapshot IS NULL AND s.end_snapshot IS NULL""",
+        [table]).fetchone()
+    base = data_path(conn)
+    schema = base.rstrip("/") + "/" + schema_path.lstrip("/") if schema_rel else schema_path
+    folder = schema.rstrip("/") + "/" + table_path.lstrip("/") if table_rel else table_path
+    return folder.rstrip("/") + "/"
+
+
+def _sql_text(v: str) -> str:
+    return "'" + v.replace("'", "''") + "'"
+
+
+def _rows_sql(conn: duckdb.DuckDBPyConnection, table: str, now: datetime, run_id: str) -> str:
+    """The batch's incoming rows of ``table`` with exactly the table's columns and types, in its
+    order (a file DuckLake adds must have them)."""
+    staged = {f.name for f in ARROW_SCHEMAS[table]} | {"input_sha256"}
+    meta = {"captured_at": "i.captured_at_", "loaded_at": f"TIMESTAMP {_sql_text(now.isoformat(sep=' '))}",
+            "run_id": _sql_text(run_id)}
+    cols = []
+    for name, sql_type, *_ in conn.execute(f"DESCRIBE {table}").fetchall():
+        expr = f's."{name}"' if name in staged else meta.get(name, "NULL")
+        cols.append(f'CAST({expr} AS {sql_type}) AS "{name}"')
+    return f"SELECT {', '.join(cols)} FROM stage_{table} s JOIN incoming_{table} i USING (_row)"
+
+
+def _snapshot(conn: duckdb.DuckDBPyConnection) -> int:
+    return conn.execute(f"SELECT id FROM {CATALOG}.current_snapshot()").fetchone()[0]
+
+
+def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, reprocess: bool = False) -> Prewritten:
+    """Before the commit lock: decide against the latest snapshot what the batch loads, and
+    write those rows of each data table to a Parquet file in the table's folder. The rows are
+    not visible to anyone until a commit adds the file; a file no commit adds (the decision
+    changed, or the writer died) is an orphan, which ``maintain`` deletes after its grace."""
+    plan = Prewritten(snapshot=_snapshot(conn))
+    plan.has_rows = _plan(conn, reprocess)
+    for table in DATA_TABLES:
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE planned_{table} AS SELECT _row, captured_at_ FROM incoming_{table}")
+        if not conn.execute(f"SELECT EXISTS (FROM incoming_{table})").fetchone()[0]:
+            continue
+        folder = _table_folder(conn, table)
+        if "://" not in folder:
+            os.makedirs(folder, exist_ok=True)  # DuckLake makes a table's folder at its first write
+        path = f"{folder}featurehouse-{uuid.uuid4()}.parquet"
+        conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {_sql_text(path)} "
+                     f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE})")
+        plan.files[table] = path
+    return plan
+
+
+#: As the lake's ``parquet_row_group_size`` option (migration 0001): small groups, so that a
+#: query for a few features reads a few groups.
+_ROW_GROUP_SIZE = 2048
+
+
+def _as_planned(conn: duckdb.DuckDBPyConnection, table: str) -> bool:
+    """Whether ``incoming_<table>`` (decided now) holds exactly the rows planned before."""
+    return conn.execute(f"""
+        SELECT NOT EXISTS (SELECT _row, captured_at_ FROM incoming_{table} EXCEPT SELECT * FROM planned_{table})
+           AND NOT EXISTS (SELECT * FROM planned_{table} EXCEPT SELECT _row, captured_at_ FROM incoming_{table})""").fetchone()[0]
+
+
 def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *,
-                   reprocess: bool = False) -> tuple[dict[str, dict[str, int]], list[dict]]:
+                   reprocess: bool = False, prewritten: Prewritten | None = None) -> tuple[dict[str, dict[str, int]], list[dict]]:
     """Replace, for every capture that applies, its feature's rows; the caller holds the
     transaction (and the commit lock).
+
+    With ``prewritten`` (see :func:`prewrite`), a table's rows are added from their file when
+    what is decided now is what the file was written for, and written here otherwise.
 
     Returns the rows loaded per table and input, and the captures superseded by an already
     loaded newer one. Leaves the features whose activations changed in the temp table
     ``changed_features``, and the rows that loaded in ``incoming_<table>`` (see
     :data:`STAGED_ACTIVATIONS`).
     """
-    _decide(conn, reprocess)
+    if prewritten is not None and prewritten.snapshot == _snapshot(conn):
+        has = prewritten.has_rows  # nothing was committed since: the plan made then stands
+    else:
+        has = _plan(conn, reprocess)
+    if prewritten is not None:
+        prewritten.used = set()
     # a feature's activation statistics change when its activations do
     conn.execute("CREATE OR REPLACE TEMP TABLE changed_features AS SELECT DISTINCT model_id, source_id, "
                  "feature_index FROM applied WHERE table_name = 'activations'")
     loaded: dict[str, dict[str, int]] = {}
     for table in DATA_TABLES:
-        _incoming(conn, table)
         incoming = f"incoming_{table}"
-        has_rows = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
+        has_rows = has[table]
         row_id = _ROW_IDS.get(table)
-        if row_id:
-            _newest_keeps_each_id(conn, table, row_id, has_rows)
         if has_rows:
             claims = f"(SELECT * FROM applied WHERE table_name = '{table}')"
             if row_id:
@@ -306,14 +417,19 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
                     OR EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
             else:
                 conn.execute(f"DELETE FROM {table} AS t USING {claims} AS a WHERE {_on('t', 'a')}")
-        cols = ", ".join(f's."{f.name}"' for f in ARROW_SCHEMAS[table])
-        conn.execute(
-            f"""INSERT INTO {table} BY NAME
-                SELECT {cols}, s.input_sha256, i.captured_at_ AS captured_at, $now AS loaded_at,
-                       $run_id AS run_id
-                FROM stage_{table} s JOIN {incoming} i USING (_row)""",
-            {"now": now, "run_id": run_id},
-        )
+        path = prewritten.files.get(table) if prewritten is not None else None
+        if path is not None and _as_planned(conn, table):
+            conn.execute(f"CALL ducklake_add_data_files('{CATALOG}', '{table}', ?)", [path])
+            prewritten.used.add(table)
+        else:
+            cols = ", ".join(f's."{f.name}"' for f in ARROW_SCHEMAS[table])
+            conn.execute(
+                f"""INSERT INTO {table} BY NAME
+                    SELECT {cols}, s.input_sha256, i.captured_at_ AS captured_at, $now AS loaded_at,
+                           $run_id AS run_id
+                    FROM stage_{table} s JOIN {incoming} i USING (_row)""",
+                {"now": now, "run_id": run_id},
+            )
         loaded[table] = dict(conn.execute(f"SELECT input_sha256, count(*) FROM {incoming} GROUP BY 1").fetchall())
     conn.execute("""DELETE FROM feature_captures AS t USING applied AS a
                     WHERE t.model_id = a.model_id AND t.source_id = a.source_id

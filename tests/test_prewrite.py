@@ -1,0 +1,128 @@
+"""Commits are metadata (issue 18, item 1): a batch's rows are written as Parquet files before
+the commit lock is taken, and the locked commit adds those files to the catalog. When another
+writer's commit changed, in between, what the batch loads, the commit decides again and writes
+what loads itself; the file written for the old decision is removed. A writer killed before its
+commit leaves no visible rows, only an unreferenced file that `maintain` deletes.
+
+The races are made with the real commit lock: this process holds it (it is an OS lock, and
+re-entrant within a process) while a `featurehouse ingest` in another process writes its files
+and waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from pipeline.config import Settings
+from pipeline.lake import warehouse as wh
+from tests.conftest import good_page, query, run_ingest, write
+from tests.formats import to_api_json
+
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+
+
+def _page(description: str, when: datetime, folder: Path) -> Path:
+    page = good_page(7, source="race-src")
+    page["explanations"][0]["description"] = description
+    path = write(folder / "page.json", to_api_json(page))
+    os.utime(path, (when.timestamp(), when.timestamp()))
+    return path
+
+
+def _ours(wh_dir: Path) -> set[str]:
+    """The data files featurehouse wrote before a commit (DuckLake's own are ducklake-*)."""
+    return {p.name for p in (wh_dir / "data").rglob("featurehouse-*.parquet")}
+
+
+def _registered(settings: Settings) -> set[str]:
+    """Every data file the catalog records, current or kept for history."""
+    rows = query(settings.warehouse, "SELECT path FROM __ducklake_metadata_featurehouse.ducklake_data_file")
+    return {Path(f).name for (f,) in rows}
+
+
+def _wait_for(predicate, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _start(path: Path, settings: Settings) -> subprocess.Popen:
+    return subprocess.Popen([str(FEATUREHOUSE), "ingest", str(path), "--warehouse", str(settings.warehouse),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@contextlib.contextmanager
+def _lock_once_running(settings: Settings, proc: subprocess.Popen):
+    """Take the commit lock as soon as the other process's run is recorded (it takes the lock
+    to open the warehouse and to record its run; then not until its batch's commit, seconds
+    later: it lands, parses and validates first)."""
+    def running() -> bool:
+        return bool(query(settings.warehouse, "SELECT count(*) FROM runs WHERE status = 'running'")[0][0])
+
+    _wait_for(running, 120, proc)
+    with wh.write_lock(settings):
+        yield
+
+
+def test_a_load_adds_the_files_it_wrote_and_leaves_none_behind(tmp_path):
+    settings = Settings(warehouse=tmp_path / "wh")
+    for i, when in enumerate((datetime(2026, 1, 1), datetime(2026, 2, 1))):
+        run_ingest([_page(f"v{i}", when, tmp_path / f"in{i}")], settings)
+    ours = _ours(settings.warehouse)
+    # each load's three data tables came from the files written before its commit (the first
+    # load's files are kept for the history, until maintain expires it)
+    assert len(ours) == 6 and ours <= _registered(settings), (ours, _registered(settings))
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v1",)]
+    assert query(settings.warehouse, "SELECT count(*) FROM activations") == [(3,)]
+
+
+def test_a_commit_between_the_write_and_the_commit_changes_the_decision_and_nothing_is_lost(tmp_path):
+    """The other process writes its files for 'load v1' and waits for the lock; meanwhile a
+    newer capture v2 is committed here. Its commit must decide again: v1 is older, so it is
+    recorded as superseded and its files are not added (and are removed)."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)  # the lake exists
+    before = _ours(settings.warehouse)
+    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        written = _ours(settings.warehouse) - before
+        run_ingest([_page("v2", datetime(2026, 2, 1), tmp_path / "in2")], settings)  # the lock is ours
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v2",)]
+    assert query(settings.warehouse, "SELECT count(*) FROM activations") == [(3,)]
+    superseded = query(settings.warehouse, "SELECT DISTINCT reason FROM superseded")
+    assert superseded == [("older than the capture already loaded",)]
+    assert not written & _registered(settings), "the files written for v1 were not added"
+    assert not written & _ours(settings.warehouse), "and they are gone"
+    assert _ours(settings.warehouse) <= _registered(settings)
+
+
+def test_a_writer_killed_before_its_commit_leaves_no_rows_and_maintain_deletes_its_files(tmp_path):
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    before = _ours(settings.warehouse)
+    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    orphans = _ours(settings.warehouse) - before
+    assert len(orphans) == 3 and not orphans & _registered(settings)
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v0",)]
+    r = subprocess.run([str(FEATUREHOUSE), "maintain", "--warehouse", str(settings.warehouse), "--grace-minutes", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not orphans & _ours(settings.warehouse), "maintain deleted the files no commit added"
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v0",)]
