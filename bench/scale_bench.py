@@ -53,7 +53,7 @@ def _land(settings, window: str, inputs: list[tuple[str, bytes, str]]) -> float:
     from pipeline.stages.land import land
     from pipeline.stages.receive import Input
 
-    manifest = Manifest(manifest_path(window, settings))
+    manifest = Manifest(manifest_path(window, settings), settings.landing_root)
     started = time.monotonic()
 
     def one(item):

@@ -4,7 +4,11 @@ and turns the library's named errors into a clear message and exit code."""
 from __future__ import annotations
 
 import csv
+import datetime
+import decimal
+import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -51,11 +55,62 @@ def _open(settings: Settings, **kw) -> duckdb.DuckDBPyConnection:
         raise click.ClickException(str(exc)) from None
 
 
+def _blob_text(b: bytes) -> str:
+    """A BLOB as DuckDB writes one: printable ASCII as is, other bytes as ``\\xHH``."""
+    return "".join(chr(c) if 32 <= c < 127 and c != 92 else f"\\x{c:02X}" for c in b)
+
+
+def _interval_text(d: datetime.timedelta) -> str:
+    """An INTERVAL as DuckDB writes one (``1 day``, ``2 days 01:30:00``), not Python's text."""
+    days, secs, micros = d.days, d.seconds, d.microseconds
+    parts = [f"{days} day{'' if abs(days) == 1 else 's'}"] if days else []
+    if secs or micros or not parts:
+        hms = f"{secs // 3600:02d}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+        parts.append(hms + (f".{micros:06d}" if micros else ""))
+    return " ".join(parts)
+
+
+def _plain(value):
+    """A query's value as JSON has it: containers walked, a DECIMAL as a number, a BLOB and an
+    INTERVAL as DuckDB writes them, a time as ISO 8601, NaN and infinities as null (JSON has
+    none); never a Python repr."""
+    if value is None or isinstance(value, (str, bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, decimal.Decimal):
+        return int(value) if value == value.to_integral_value() and value.is_finite() else (
+            float(value) if value.is_finite() else None)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _blob_text(bytes(value))
+    if isinstance(value, datetime.timedelta):
+        return _interval_text(value)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    return str(value)  # UUID and the like
+
+
+def _json_dumps(value, *, indent: bool = False) -> str:
+    """JSON text of query results: orjson, or Python's json for integers past 64 bits (HUGEINT)."""
+    plain = _plain(value)
+    try:
+        return orjson.dumps(plain, option=orjson.OPT_INDENT_2 if indent else 0).decode()
+    except TypeError:
+        return json.dumps(plain, ensure_ascii=False, indent=2 if indent else None,
+                          separators=None if indent else (",", ":"))
+
+
 def _csv_cell(value):
     """A CSV cell: a list, struct or map as JSON text (timestamps inside it ISO 8601, as in
-    --format json), never a Python repr; a scalar as it is."""
+    --format json), never a Python repr; a scalar as text DuckDB would write."""
     if isinstance(value, (list, tuple, dict)):
-        return orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS).decode()
+        return _json_dumps(value)
+    if isinstance(value, (bytes, bytearray, memoryview, datetime.timedelta)):
+        return _plain(value)
     return value
 
 
@@ -67,7 +122,7 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40
         w.writerows([_csv_cell(v) for v in r] for r in rows)
     elif fmt == "json":
         out = [dict(zip(cols, r)) for r in rows]
-        sys.stdout.write(orjson.dumps(out, default=str, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n")
+        sys.stdout.write(_json_dumps(out, indent=True) + "\n")
     else:
         with duckdb.connect() as c:
             import pyarrow as pa
@@ -183,10 +238,15 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     except (LandingFailed, *_USER_ERRORS) as exc:
         raise click.ClickException(_with_notes(exc)) from None
     except (OSError, duckdb.IOException) as exc:
-        if not disk_full(exc):
-            raise
-        raise click.ClickException(f"the warehouse could not be written: {str(exc).splitlines()[0]} (the disk that "
-                                   f"holds it is full); the run stopped\n{_with_notes(exc, first=False)}") from None
+        if disk_full(exc):
+            raise click.ClickException(f"the warehouse could not be written: {str(exc).splitlines()[0]} (the disk "
+                                       f"that holds it is full); the run stopped\n{_with_notes(exc, first=False)}") from None
+        if isinstance(exc, PermissionError) or "Permission denied" in str(exc):
+            # a folder this user may not write (a read-only copy, a mount): say so, not a traceback
+            where = getattr(exc, "filename", None) or settings.warehouse
+            raise click.ClickException(f"the warehouse could not be written: permission denied on {where} (this "
+                                       f"user may not write there); the run stopped\n{_with_notes(exc, first=False)}") from None
+        raise
     except BaseException:
         if _TERMINATED:  # ingest has recorded the run as failed
             click.echo("featurehouse: ingest terminated by SIGTERM; the run is recorded as failed", err=True)

@@ -146,7 +146,7 @@ def test_ingest_strict_exits_4_on_fail_and_json_is_all_stdout_holds(tmp_path):
     (fail / "error.json").write_text('{"error": "Gone"}')
     r = fh("ingest", str(fail), "--warehouse", wh, "--no-progress")
     assert r.returncode == 0, r.stderr
-    assert "verdict  FAIL: 1 new input(s) received, none loaded" in r.stdout
+    assert "verdict  FAIL: 1 input(s) not already landed received, none loaded" in r.stdout
 
     # a PASS run exits 0 under --strict; its progress bar (over 20 inputs) goes to stderr
     from bench.generate import write_pages

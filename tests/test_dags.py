@@ -221,7 +221,7 @@ def test_an_inbox_run_whose_verdict_is_fail_fails_its_task_after_recording_it(tm
     got = _run(_TASK, [str(DAGS), "featurehouse_inbox", "drain"], tmp_path, FEATUREHOUSE_INBOX=str(inbox),
                FEATUREHOUSE_WAREHOUSE=str(wh), FEATUREHOUSE_INBOX_SETTLE_SECONDS="0")
     assert got["error"] and got["error"].startswith(FAIL_AT_ONCE)
-    assert "verdict FAIL: 1 new input(s) received, none loaded" in got["error"]
+    assert "verdict FAIL: 1 input(s) not already landed received, none loaded" in got["error"]
     # everything was recorded first: the run, and the file out of the inbox
     assert [p.name for p in inbox.iterdir()] == [".done"]
     from tests.conftest import query

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from pipeline.config import SCHEMAS_DIR, Settings
 from pipeline.stages.parse import Rejected, check_page, json_view
 from tests.conftest import good_page, open_warehouse, query, run_ingest, write
-from tests.formats import to_api_json, to_flight
+from tests.formats import to_api_json, to_flight, to_html
 
 _SCHEMA_REASON = "does not match the feature page schema at"
 _SCHEMA = json.loads((SCHEMAS_DIR / "feature_page.schema.json").read_text())
@@ -67,6 +67,10 @@ DEFECTS = {
     "tokens_with_object": (_in_act("tokens", 1, {"a": [1, 2.5, None], "b": "é"}), ("loaded", {})),
     "tokens_with_list": (_in_act("tokens", 1, [False, 100000.0]), ("loaded", {})),
     "tokens_with_date": (_in_act("tokens", 1, datetime(2025, 2, 1, 3, 4, 5, 678000)), ("loaded", {})),
+    # numbers past what simdjson reads (issue 17 review: DuckDB kept the digits, Python a float)
+    "tokens_with_30_digits": (_in_act("tokens", 1, 10**30), ("loaded", {})),
+    "tokens_with_2_to_the_64": (_in_act("tokens", 1, 2**64), ("loaded", {})),
+    "tokens_with_2_to_the_63": (_in_act("tokens", 1, 2**63), ("loaded", {})),
     "type_name_a_number": (lambda page: page["explanations"][0].update(typeName=42), ("loaded", {})),
     "description_a_date": (lambda page: page["explanations"][0].update(description=datetime(2025, 2, 1)), ("loaded", {})),
     "data_index_an_object": (lambda page: page["activations"][0].update(dataIndex={"x": True}), ("loaded", {})),
@@ -170,6 +174,9 @@ _ODD_TEXT = {
     "tokens_with_object": ("activations", "tokens[2]", '{"a":[1,2.5,null],"b":"é"}'),
     "tokens_with_list": ("activations", "tokens[2]", "[false,100000.0]"),
     "tokens_with_date": ("activations", "tokens[2]", "2025-02-01T03:04:05.678Z"),
+    "tokens_with_30_digits": ("activations", "tokens[2]", "1e+30"),
+    "tokens_with_2_to_the_64": ("activations", "tokens[2]", "1.8446744073709552e+19"),
+    "tokens_with_2_to_the_63": ("activations", "tokens[2]", "9223372036854775808"),
     "type_name_a_number": ("explanations", "type_name", "42"),
     "description_a_date": ("explanations", "description", "2025-02-01T00:00:00.000Z"),
     "data_index_an_object": ("activations", "data_index", '{"x":true}'),
@@ -203,6 +210,12 @@ def test_a_duplicated_key_is_refused_on_every_road(tmp_path):
     inputs = {"one_line": one_line, "pretty": pretty, "gzip": gzip.compress(one_line, mtime=0),
               "jsonl": one_line + b"\n" + to_api_json(good_page(5, source="dup-src")) + b"\n",
               "array": b"[" + one_line + b"]"}
+    # flight text and a saved HTML page with the key twice in the page's row (issue 17 review:
+    # they loaded, as feature 4)
+    flight = to_flight(page, outline=0.0)
+    assert flight.count(b'"index":"3"') >= 1
+    flight = flight.replace(b'"index":"3"', b'"index":"3","index":"4"', 1)
+    inputs |= {"flight": flight, "html": to_html(flight)}
     paths = [write(tmp_path / "in" / f"{name}.json", data) for name, data in inputs.items()]
     paths.append(write(tmp_path / "in" / "zz_good.json", to_api_json(good_page(6, source="dup-src"))))
     settings = Settings(warehouse=tmp_path / "wh")

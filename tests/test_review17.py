@@ -186,3 +186,100 @@ def test_a_capture_dated_in_the_future_does_not_beat_later_captures(tmp_path):
     assert query(settings.warehouse, "SELECT description FROM explanations") == [("captured later",)]
     (when,) = query(settings.warehouse, "SELECT max(captured_at) FROM raw_inputs")[0]
     assert when.year < 2099
+
+
+def _empty_warehouse(tmp_path):
+    from pipeline.config import Settings
+    from pipeline.lake import warehouse as wh
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    wh.connect(settings, create=True).close()
+    return settings.warehouse
+
+
+def _sql(warehouse, statement: str, fmt: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run([str(Path(sys.executable).with_name("featurehouse")), "sql", statement, "--warehouse",
+                           str(warehouse), "--format", fmt], capture_output=True, text=True, timeout=120)
+
+
+def test_sql_csv_and_json_write_every_value_as_json_text_and_a_hugeint_does_not_crash(tmp_path):
+    """A HUGEINT ended `sql --format csv|json` in a traceback (orjson: "Integer exceeds 64-bit
+    range"); a BLOB came out as b'x', an INTERVAL as "1 day, 0:00:00", a DECIMAL as a string."""
+    import json
+
+    warehouse = _empty_warehouse(tmp_path)
+    statement = ("SELECT 18446744073709551616::HUGEINT AS h, [18446744073709551616::HUGEINT] AS hl, "
+                 "'x'::BLOB AS b, ['x'::BLOB] AS bl, [INTERVAL 1 DAY, INTERVAL 90 MINUTE] AS i, "
+                 "{'b': [1.5::DECIMAL(4, 1)]} AS s")
+    csv_out = _sql(warehouse, statement, "csv")
+    assert csv_out.returncode == 0 and "Traceback" not in csv_out.stderr, csv_out.stderr
+    assert csv_out.stdout.splitlines()[1] == ('18446744073709551616,[18446744073709551616],x,"[""x""]",'
+                                              '"[""1 day"",""01:30:00""]","{""b"":[1.5]}"')
+    json_out = _sql(warehouse, statement, "json")
+    assert json_out.returncode == 0 and "Traceback" not in json_out.stderr, json_out.stderr
+    assert json.loads(json_out.stdout) == [{"h": 18446744073709551616, "hl": [18446744073709551616], "b": "x",
+                                            "bl": ["x"], "i": ["1 day", "01:30:00"], "s": {"b": [1.5]}}]
+
+
+def test_glob_cannot_step_out_of_the_data_folder_with_dot_dot(tmp_path):
+    """glob('<data>/../catalog.sqlite') listed the catalog: DuckDB's allowed_directories let the
+    '..' through."""
+    warehouse = _empty_warehouse(tmp_path)
+    r = _sql(warehouse, f"SELECT * FROM glob('{warehouse}/data/../catalog.sqlite')", "csv")
+    assert r.returncode != 0 and "catalog.sqlite" not in r.stdout, r.stdout
+    assert "glob()" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    ok = _sql(warehouse, f"SELECT count(*) AS n FROM glob('{warehouse}/data/**/*.parquet')", "csv")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_warehouse_this_user_may_not_write_is_said_so_not_a_traceback(tmp_path):
+    """A read-only folder ended `ingest` in a PermissionError traceback; a read-only copy of a
+    warehouse was called damaged ("restore it from a backup, or move it away")."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import FIXTURES
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop the override of file permissions")
+    fh = [str(Path(sys.executable).with_name("featurehouse"))]
+    as_user = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    r = subprocess.run(as_user + fh + ["ingest", str(FIXTURES), "--warehouse", str(ro / "wh"), "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "permission denied" in r.stderr and str(ro / "wh") in r.stderr
+
+    warehouse = _empty_warehouse(tmp_path)
+    for p in [warehouse, *warehouse.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~0o222)
+    r = subprocess.run(as_user + fh + ["ingest", str(FIXTURES), "--warehouse", str(warehouse), "--no-progress",
+                                       "--reprocess"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "may not write" in r.stderr and "restore it from a backup" not in r.stderr, r.stderr
+    for p in [warehouse, *warehouse.rglob("*")]:
+        p.chmod(p.stat().st_mode | 0o200)
+
+
+def test_migrate_of_an_sqlite_file_says_what_it_is_and_fetches_nothing(tmp_path):
+    """A lakehouse catalog renamed featurehouse.duckdb made `migrate` try to download DuckDB's
+    SQLite extension, and quote that failed download."""
+    import shutil
+
+    from pipeline.config import Settings
+    from pipeline.lake.legacy import LegacyMigrationError, migrate_file
+
+    old = tmp_path / "featurehouse.duckdb"
+    shutil.copy(_empty_warehouse(tmp_path) / "catalog.sqlite", old)
+    with pytest.raises(LegacyMigrationError, match="is an SQLite database, not a featurehouse 0.1 warehouse"):
+        migrate_file(old, Settings(warehouse=tmp_path / "new"))
+    assert not (tmp_path / "new").exists()

@@ -82,7 +82,17 @@ def migrate_file(old: Path, settings: Settings) -> dict[str, int]:
     """
     old = Path(old).resolve()
     try:
-        probe = duckdb.connect(str(old), read_only=True)
+        with old.open("rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        raise LegacyMigrationError(f"{old} cannot be read: {exc.strerror or exc}") from None
+    if head.startswith(b"SQLite format 3"):
+        # DuckDB would open it through its SQLite extension, fetched from the network
+        raise LegacyMigrationError(f"{old} is an SQLite database, not a featurehouse 0.1 warehouse (a DuckDB file); "
+                                   "a lakehouse's catalog.sqlite needs no migration: point --warehouse at its folder")
+    try:
+        probe = duckdb.connect(str(old), read_only=True, config={"autoinstall_known_extensions": False,
+                                                                 "autoload_known_extensions": False})
         with probe:
             tables = {t for (t,) in probe.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
     except duckdb.Error as exc:

@@ -223,6 +223,12 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
                 # catalog is not damaged, and moving it away would lose the warehouse
                 raise BadCatalog(f"the warehouse's catalog {path} cannot be opened ({said}): the disk that holds "
                                  f"it is full ({free:,} bytes free); free some space and run again") from None
+        if "readonly database" in str(exc) or not os.access(path.parent, os.W_OK) or not os.access(path, os.W_OK):
+            # SQLite writes beside the catalog (its write-ahead log) even to read it: the
+            # catalog is sound, this user may not write its folder
+            raise BadCatalog(f"the warehouse's catalog {path} cannot be opened ({said}): this user may not write "
+                             f"it or its folder {path.parent} (a read-only copy or mount?); give write access, or "
+                             "open a writable copy") from None
         raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({said}); "
                          "restore it from a backup, or move it away to start a new warehouse") from None
     finally:
@@ -751,6 +757,16 @@ _TABLE_FUNCTIONS = frozenset({
     *(f"ducklake_{name}" for name in _LAKE_READS),
 })
 
+def _plain_glob(fn: dict) -> bool:
+    """Whether a glob() call takes one constant path with no ``..`` step in it."""
+    args = fn.get("children") or []
+    if len(args) != 1 or args[0].get("class") != "CONSTANT":
+        return False
+    value = args[0].get("value")
+    text = value.get("value") if isinstance(value, dict) else None
+    return isinstance(text, str) and ".." not in re.split(r"[/\\]", text)
+
+
 #: Scalar functions with an effect beyond their result.
 _SCALAR_REFUSED = frozenset({"write_log"})
 
@@ -821,6 +837,9 @@ def _refused_in(tree: Any, known: set[tuple[str, str, str]], ctes: frozenset[str
             where = tuple(x.lower() for x in (fn.get("catalog", ""), fn.get("schema", "")) if x)
             if name in _LAKE_READS and where in ((), (CATALOG,), (CATALOG, "main")):
                 pass
+            elif name == "glob" and not _plain_glob(fn):
+                # DuckDB's allowed_directories lets 'data/../catalog.sqlite' through in glob()
+                return "glob() of anything but one constant path without '..' (it lists files in the data folder only)"
             elif name in _TABLE_FUNCTIONS and set(where) <= {"system", "main"}:
                 pass
             else:

@@ -93,9 +93,9 @@ def verdict(run: dict[str, Any]) -> Verdict:
         err = f": {run['error']}" if run.get("error") else ""
         return Verdict("FAIL", 0, f"the run's status is '{run.get('status')}'{err}")
     if new > 0 and n["n_loaded"] == 0:
-        return Verdict("FAIL", 1, f"{new:,} new input(s) received, none loaded")
+        return Verdict("FAIL", 1, f"{new:,} input(s) not already landed received, none loaded")
     if new > 0 and n["n_rejected"] / new > 0.5:
-        return Verdict("FAIL", 2, f"{n['n_rejected']:,} of {new:,} new inputs rejected "
+        return Verdict("FAIL", 2, f"{n['n_rejected']:,} of {new:,} inputs not already landed rejected "
                                   f"({100 * n['n_rejected'] / new:.0f}% > 50%)")
     # Each URL that landed is one input received; each that failed is a row of fetch_failures
     # (a 404, "not found", is neither: Neuronpedia answered).
@@ -113,7 +113,7 @@ def verdict(run: dict[str, Any]) -> Verdict:
     if new == 0:
         return Verdict("PASS", 5, "nothing new to load: every input was already landed" if n["n_received"]
                        else "the run received no inputs")
-    return Verdict("PASS", 5, f"{n['n_loaded']:,} of {new:,} new inputs loaded, no record refused")
+    return Verdict("PASS", 5, f"{n['n_loaded']:,} of {new:,} inputs not already landed loaded, no record refused")
 
 
 # --- reading the warehouse ----------------------------------------------------------------------

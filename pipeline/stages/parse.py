@@ -42,7 +42,7 @@ from .records import (
 )
 
 __all__ = [
-    "PAGE_KEY_BYTES", "Rejected", "parse_bytes", "check_page", "json_view", "gunzip_limited", "gunzip_measure",
+    "PAGE_KEY_BYTES", "Rejected", "json_text", "parse_bytes", "check_page", "json_view", "gunzip_limited", "gunzip_measure",
     "first_line",
 ]
 
@@ -778,6 +778,7 @@ def _json_default(v: Any) -> Any:
 
 
 def _json(v: Any) -> str | None:
+    """JSON text of a parsed value; a flight ``$D`` date as the API writes it."""
     if v is None:
         return None
     return orjson.dumps(
@@ -907,3 +908,6 @@ def _source_set(s: dict, model_id: Any) -> SourceSet:
         created_at=_ts(s.get("createdAt")),
         extra=_json({k: v for k, v in s.items() if k not in core}),
     )
+
+
+json_text = _json

@@ -38,7 +38,7 @@ import orjson
 import pyarrow as pa
 import simdjson
 
-from .parse import Rejected, check_page, json_view
+from .parse import Rejected, check_page, json_text, json_view
 from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
 
 __all__ = [
@@ -119,6 +119,10 @@ def _read_exactly(data: bytes) -> bool:
         page = json_view(data)
         check_page(page, "JSON input")
     except Rejected:
+        return False
+    if type(page) is not simdjson.Object:
+        # simdjson refused a number (an integer past 64 bits, 1e400, NaN): DuckDB would keep its
+        # digits as text where Python reads a float, or refuses it; the Python road decides
         return False
     return all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS) and all(
         _numbers_only(a.get(k)) for a in (page.get("activations") or ()) for k in _ACTIVATION_NUMBER_LISTS
@@ -510,7 +514,7 @@ def _arrow_with_meta(table: str, items: list[tuple[str, Any]], start: int) -> pa
     arrow = arrow.append_column("input_sha256", pa.array([sha for sha, _ in items], pa.string()))
     arrow = arrow.append_column("_row", pa.array(range(start, start + n), pa.int64()))
     if table in ("features", "activations", "explanations"):
-        raw = [orjson.dumps(r.raw, default=str, option=orjson.OPT_NON_STR_KEYS).decode() for _, r in items]
+        raw = [json_text(r.raw) for _, r in items]  # a flight date as the API writes it
         arrow = arrow.append_column("_raw", pa.array(raw, pa.string()))
     if table == "activations":
         arrow = arrow.append_column("page_key", pa.array([r.page_key for _, r in items], pa.string()))
