@@ -39,7 +39,18 @@ import pyarrow as pa
 import simdjson
 
 from .parse import Rejected, check_page, json_view
-from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
+from .records import (
+    ACTIVATION_COLUMN_FIELDS,
+    ACTIVATION_EXTRA_FIELDS,
+    ARROW_SCHEMAS,
+    EXPLANATION_COLUMN_FIELDS,
+    EXPLANATION_EXTRA_FIELDS,
+    FEATURE_COLUMN_FIELDS,
+    FEATURE_EXTRA_FIELDS,
+    PAGE_RELATIONS,
+    to_arrow,
+    unlisted_fields,
+)
 
 __all__ = [
     "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "stage_parsed", "create_views",
@@ -63,12 +74,16 @@ _ACTIVATION_FIELDS: dict[str, str] = {
     "lossValues": "DOUBLE[]", "logitContributions": "VARCHAR", "binMin": "DOUBLE",
     "binMax": "DOUBLE", "binContains": "DOUBLE", "qualifyingTokenIndex": "INTEGER",
     "creatorId": "VARCHAR", "createdAt": "VARCHAR",
+    **{f: "JSON" for f in ACTIVATION_EXTRA_FIELDS},
 }
 _EXPLANATION_FIELDS: dict[str, str] = {
     "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
     "description": "VARCHAR", "explanationModelName": "VARCHAR", "typeName": "VARCHAR",
-    "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR",
+    "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR", "embedding": "JSON",
+    **{f: "JSON" for f in EXPLANATION_EXTRA_FIELDS},
 }
+assert set(_ACTIVATION_FIELDS) == ACTIVATION_COLUMN_FIELDS | set(ACTIVATION_EXTRA_FIELDS)
+assert set(_EXPLANATION_FIELDS) == EXPLANATION_COLUMN_FIELDS | set(EXPLANATION_EXTRA_FIELDS)
 
 
 def _struct_list(fields: dict[str, str]) -> str:
@@ -87,6 +102,9 @@ _PAGE_COLUMNS: dict[str, str] = {
     "tokens": "JSON", "values": "JSON", "description": "JSON",
 }
 
+
+assert {k for k in _PAGE_COLUMNS if k not in ("tokens", "values", "description")} == (
+    FEATURE_COLUMN_FIELDS | set(FEATURE_EXTRA_FIELDS) | PAGE_RELATIONS)
 
 #: The page's and an activation's fields DuckDB reads as lists of numbers.
 _NUMBER_LISTS = [k for k, t in _PAGE_COLUMNS.items() if t == "DOUBLE[]"]
@@ -120,6 +138,13 @@ def _read_exactly(data: bytes) -> bool:
         check_page(page, "JSON input")
     except Rejected:
         return False
+    # a field the typed read does not know would be lost: the Python road keeps it in `extra`
+    if unlisted_fields(page.keys(), FEATURE_COLUMN_FIELDS | PAGE_RELATIONS, FEATURE_EXTRA_FIELDS):
+        return False
+    for kind, columns, listed in (("activations", ACTIVATION_COLUMN_FIELDS, ACTIVATION_EXTRA_FIELDS),
+                                  ("explanations", EXPLANATION_COLUMN_FIELDS, EXPLANATION_EXTRA_FIELDS)):
+        if any(unlisted_fields(x.keys(), columns, listed) for x in (page.get(kind) or ())):
+            return False
     return all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS) and all(
         _numbers_only(a.get(k)) for a in (page.get("activations") or ()) for k in _ACTIVATION_NUMBER_LISTS
     )
@@ -274,15 +299,18 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     refused whole.
     """
     out = ExportRead()
-    for table, columns in _EXPORT_COLUMNS.items():
-        cols = ", ".join(f'"{k}" {v}' for k, v in columns.items())
+    for table, known in _EXPORT_COLUMNS.items():
+        group = files.get(table) or []
+        # Fields the typed read does not know are read as JSON, for `extra`: those of each
+        # file's first line (which, as Neuronpedia's own importer does, sets its columns).
+        columns = {**known, **{k: "JSON" for k in _first_line_fields(group, known)}}
+        cols = ", ".join(f'"{k.replace(chr(34), chr(34) * 2)}" {v}' for k, v in columns.items())
         conn.execute(
             f"CREATE OR REPLACE TEMP TABLE fast_export_{table} (input_sha256 VARCHAR, {cols})"
         )
-        group = files.get(table) or []
         if not group:
             continue
-        out.refused.update(_insert_exports(conn, table, [(sha, path) for sha, path, _ in group]))
+        out.refused.update(_insert_exports(conn, table, [(sha, path) for sha, path, _ in group], columns))
         # A row without any scalar is the cheap sign (no list is read) of a bad line.
         no_scalar = " AND ".join(f'"{k}" IS NULL' for k, v in columns.items() if not v.endswith("[]"))
         counts = {sha: (n, n_empty) for sha, n, n_empty in conn.execute(
@@ -303,7 +331,22 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     return out
 
 
-def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]]) -> dict[str, str]:
+def _first_line_fields(group: list[tuple[str, Path, int]], known: dict[str, str]) -> list[str]:
+    """The fields of the files' first lines that ``known`` does not type, by name."""
+    found: set[str] = set()
+    for _, path, _ in group:
+        try:
+            with gzip.open(path, "rb") as f:
+                row = orjson.loads(f.readline(_MAX_OBJECT))
+        except (OSError, EOFError, orjson.JSONDecodeError):
+            continue  # the read that follows says what is wrong with the file
+        if isinstance(row, dict):
+            found.update(k for k in row if k not in known and k not in PAGE_RELATIONS)
+    return sorted(found)
+
+
+def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]],
+                    columns: dict[str, str] | None = None) -> dict[str, str]:
     """Append the rows of ``group``'s files to ``fast_export_<table>``, each file's in the order
     of its lines; returns the files that could not be read at all (with DuckDB's reason)."""
     paths = [str(p) for _, p in group]
@@ -317,7 +360,7 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
                 FROM read_json($files, columns = $columns, format = 'newline_delimited',
                                compression = 'gzip', filename = true, ignore_errors = true,
                                maximum_object_size = {_MAX_OBJECT}) AS j""",
-            {"files": paths, "shas": [sha for sha, _ in group], "columns": _EXPORT_COLUMNS[table]},
+            {"files": paths, "shas": [sha for sha, _ in group], "columns": columns or _EXPORT_COLUMNS[table]},
         )
     except (duckdb.InvalidInputException, duckdb.IOException) as exc:
         # Something in a file (not memory or the disk, which fail the run to be tried again):
@@ -332,7 +375,7 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
             return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}{hint}"}
         refused: dict[str, str] = {}
         for one in group:
-            refused.update(_insert_exports(conn, table, [one]))
+            refused.update(_insert_exports(conn, table, [one], columns))
         return refused
     return {}
 
@@ -374,7 +417,7 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
             return None  # its rows without a scalar are objects without one: they are validated
         conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ? AND {no_scalar}", [sha])
         if n_again:
-            refused = _insert_exports(conn, table, [(sha, again)])
+            refused = _insert_exports(conn, table, [(sha, again)], _table_columns(conn, f"fast_export_{table}"))
             if refused:
                 return refused[sha]
         (n_now,) = conn.execute(f"SELECT count(*) FROM fast_export_{table} WHERE input_sha256 = ?", [sha]).fetchone()
@@ -514,6 +557,9 @@ def _arrow_with_meta(table: str, items: list[tuple[str, Any]], start: int) -> pa
         arrow = arrow.append_column("_raw", pa.array(raw, pa.string()))
     if table == "activations":
         arrow = arrow.append_column("page_key", pa.array([r.page_key for _, r in items], pa.string()))
+    if table == "explanations":  # what the suite checks of an embedding (not loaded)
+        arrow = arrow.append_column("embedding_dim", pa.array([r.embedding_dim for _, r in items], pa.int32()))
+        arrow = arrow.append_column("embedding_numeric", pa.array([r.embedding_numeric for _, r in items], pa.bool_()))
     return arrow
 
 
@@ -526,17 +572,54 @@ def stage_parsed(conn: duckdb.DuckDBPyConnection, records: dict[str, list[tuple[
         conn.unregister("_py_rows")
 
 
-def _feature_columns(p: str) -> str:
+def _extra_sql(a: str, listed: tuple[str, ...], unlisted: list[str] = ()) -> str:
+    """SQL for ``a``'s ``extra``: its ``listed`` fields (null when absent), then the ``unlisted``
+    ones (fields of an export file the typed read does not know, read as JSON) that are not
+    null, by name: as ``parse._extra`` builds it on the Python road."""
+    listed_sql = "json_object(" + ", ".join(f"'{f}', {a}.\"{f}\"" for f in listed) + ")"
+    lit, ident = (lambda f: f.replace("'", "''")), (lambda f: f.replace('"', '""'))
+    if not unlisted:
+        return f"CAST({listed_sql} AS VARCHAR)"
+    entries = ", ".join(f"{{'k': '{lit(f)}', 'v': {a}.\"{ident(f)}\"}}" for f in sorted(unlisted))
+    rest = f"CAST(to_json(map_from_entries(list_filter([{entries}], e -> e.v IS NOT NULL))) AS VARCHAR)"
+    # two JSON objects' members joined: '{"a":1}' and '{"b":2}' → '{"a":1,"b":2}'
+    return (f"(CASE WHEN {rest} = '{{}}' THEN CAST({listed_sql} AS VARCHAR) "
+            f"ELSE rtrim(CAST({listed_sql} AS VARCHAR), '}}') || ',' || {rest}[2:] END)")
+
+
+#: An explanation embedding's JSON text holds only a list of JSON numbers (the grammar's).
+_NUMBER_LIST = r"\s*\[\s*(NUM(\s*,\s*NUM)*)?\s*\]\s*".replace(
+    "NUM", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+def _embedding_sql(e: str) -> str:
+    """Select list reading an explanation's ``embedding`` (JSON: a list, or a string holding
+    one) as ``embedding`` (DOUBLE[], when all its values are finite numbers),
+    ``embedding_dim`` (how many values it holds) and ``embedding_numeric``, as
+    ``parse._embedding`` does on the Python road; the suite quarantines a bad one."""
+    raw = f"(CASE WHEN json_type({e}) = 'NULL' THEN NULL ELSE {e} END)"
+    text = f"(CASE WHEN json_type({raw}) = 'VARCHAR' THEN {raw}->>'$' ELSE CAST({raw} AS VARCHAR) END)"
+    nums = f"TRY_CAST(TRY_CAST({text} AS JSON) AS DOUBLE[])"
+    numeric = (f"(CASE WHEN {raw} IS NULL THEN NULL ELSE coalesce(regexp_full_match({text}, '{_NUMBER_LIST}') "
+               f"AND list_count({nums}) = len({nums}) "
+               f"AND isfinite(coalesce(list_sum({nums}), 0)), false) END)")
+    dim = (f"(CASE WHEN json_type(TRY_CAST({text} AS JSON)) = 'ARRAY' "
+           f"THEN json_array_length(TRY_CAST({text} AS JSON)) END)")
+    return (f"CASE WHEN {numeric} THEN {nums} END AS embedding, "
+            f"CAST({dim} AS INTEGER) AS embedding_dim, {numeric} AS embedding_numeric")
+
+
+def _feature_columns(p: str, unlisted: list[str] = ()) -> str:
     """Select list mapping a feature object ``p`` (page or export row) to ``features`` columns."""
-    extra = ", ".join(f"'{f}', {p}.\"{f}\"" for f in FEATURE_EXTRA_FIELDS)
     return f"""{p}.modelId AS model_id, {p}.layer AS source_id, TRY_CAST({p}."index" AS BIGINT) AS feature_index,
                {p}.sourceSetName AS source_set_name, {p}.maxActApprox AS max_act_approx,
                {p}.frac_nonzero, {p}.pos_str, {p}.pos_values, {p}.neg_str, {p}.neg_values,
                {p}.hookName AS hook_name, {p}.hasVector AS has_vector, {p}.creatorId AS creator_id,
-               {_ts(f"{p}.createdAt")} AS created_at, CAST(json_object({extra}) AS VARCHAR) AS extra"""
+               {_ts(f"{p}.createdAt")} AS created_at,
+               {_extra_sql(p, FEATURE_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
-def _activation_columns(a: str) -> str:
+def _activation_columns(a: str, unlisted: list[str] = ()) -> str:
     """Select list mapping an activation object ``a`` (page element or export row)."""
     return f"""{a}.id AS activation_id, {a}.modelId AS model_id, {a}.layer AS source_id,
                TRY_CAST({a}."index" AS BIGINT) AS feature_index, {a}.dataSource AS data_source,
@@ -547,17 +630,20 @@ def _activation_columns(a: str) -> str:
                {a}.logitContributions AS logit_contributions, {a}.binMin AS bin_min,
                {a}.binMax AS bin_max, {a}.binContains AS bin_contains,
                {a}.qualifyingTokenIndex AS qualifying_token_index, {a}.creatorId AS creator_id,
-               {_ts(f"{a}.createdAt")} AS created_at"""
+               {_ts(f"{a}.createdAt")} AS created_at,
+               {_extra_sql(a, ACTIVATION_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
-def _explanation_columns(e: str, model: str, layer: str, index: str) -> str:
+def _explanation_columns(e: str, model: str, layer: str, index: str, unlisted: list[str] = ()) -> str:
     """Select list mapping an explanation object ``e``; its key falls back to its page's."""
     return f"""{e}.id AS explanation_id, coalesce({e}.modelId, {model}) AS model_id,
                coalesce({e}.layer, {layer}) AS source_id,
                coalesce(TRY_CAST({e}."index" AS BIGINT), {index}) AS feature_index,
                {e}.description, {e}.explanationModelName AS explanation_model,
                {e}.typeName AS type_name, {e}.authorId AS author_id,
-               CAST({e}.scores AS VARCHAR) AS scores, {_ts(f"{e}.createdAt")} AS created_at"""
+               CAST({e}.scores AS VARCHAR) AS scores, {_ts(f"{e}.createdAt")} AS created_at,
+               {_embedding_sql(f"{e}.embedding")},
+               {_extra_sql(e, EXPLANATION_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
 def _own_key(a: str) -> str:
@@ -566,14 +652,23 @@ def _own_key(a: str) -> str:
             f"""coalesce(CAST(TRY_CAST({a}."index" AS BIGINT) AS VARCHAR), {a}."index", '?')""")
 
 
-def _export_select(table: str) -> str:
-    """SQL giving the export road's rows for a data table (bulk-export rows carry their own key)."""
+def _table_columns(conn: duckdb.DuckDBPyConnection, name: str) -> dict[str, str]:
+    """A temp table's columns and their types, but ``input_sha256``."""
+    return {c: t for c, t in conn.execute(
+        "SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = 'temp' AND table_name = ?",
+        [name]).fetchall() if c != "input_sha256"}
+
+
+def _export_select(table: str, unlisted: list[str] = ()) -> str:
+    """SQL giving the export road's rows for a data table (bulk-export rows carry their own key);
+    ``unlisted``: the fields read for ``extra`` only (``_first_line_fields``)."""
     row = f"input_sha256, {_EXPORT_ROW_BASE} + rowid AS _row"
     if table == "features":
-        return f"SELECT {_feature_columns('r')}, {row} FROM fast_export_features AS r"
+        return f"SELECT {_feature_columns('r', unlisted)}, {row} FROM fast_export_features AS r"
     if table == "activations":
-        return f"SELECT {_activation_columns('r')}, {row}, {_own_key('r')} AS page_key FROM fast_export_activations AS r"
-    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL')}, {row} "
+        return (f"SELECT {_activation_columns('r', unlisted)}, {row}, {_own_key('r')} AS page_key "
+                "FROM fast_export_activations AS r")
+    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL', unlisted)}, {row} "
             "FROM fast_export_explanations AS r")
 
 
@@ -654,8 +749,9 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
     for table in STAGED_TABLES:
         keys = _KEYS[table]
         if table in _RAW_TABLES:
+            unlisted = [c for c in _table_columns(conn, f"fast_export_{table}") if c not in _EXPORT_COLUMNS[table]]
             union = f"""SELECT * FROM ({_fast_select(table)})
-                        UNION ALL BY NAME SELECT * FROM ({_export_select(table)})
+                        UNION ALL BY NAME SELECT * FROM ({_export_select(table, unlisted)})
                         UNION ALL BY NAME SELECT * EXCLUDE (_raw) FROM py_{table}"""
         else:
             union = f"SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"
