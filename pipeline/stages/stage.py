@@ -301,9 +301,8 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     out = ExportRead()
     for table, known in _EXPORT_COLUMNS.items():
         group = files.get(table) or []
-        # Fields the typed read does not know are read as JSON, for `extra`: those of each
-        # file's first line (which, as Neuronpedia's own importer does, sets its columns).
-        columns = {**known, **{k: "JSON" for k in _first_line_fields(group, known)}}
+        # Fields the typed read does not know are read as JSON, for `extra`.
+        columns = {**known, **{k: "JSON" for k in _unknown_fields(conn, group, known)}}
         cols = ", ".join(f'"{k.replace(chr(34), chr(34) * 2)}" {v}' for k, v in columns.items())
         conn.execute(
             f"CREATE OR REPLACE TEMP TABLE fast_export_{table} (input_sha256 VARCHAR, {cols})"
@@ -331,18 +330,25 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     return out
 
 
-def _first_line_fields(group: list[tuple[str, Path, int]], known: dict[str, str]) -> list[str]:
-    """The fields of the files' first lines that ``known`` does not type, by name."""
-    found: set[str] = set()
-    for _, path, _ in group:
-        try:
-            with gzip.open(path, "rb") as f:
-                row = orjson.loads(f.readline(_MAX_OBJECT))
-        except (OSError, EOFError, orjson.JSONDecodeError):
-            continue  # the read that follows says what is wrong with the file
-        if isinstance(row, dict):
-            found.update(k for k in row if k not in known and k not in PAGE_RELATIONS)
-    return sorted(found)
+def _unknown_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path, int]],
+                    known: dict[str, str]) -> list[str]:
+    """The fields of the files' lines that ``known`` does not type, by name: one pass of
+    DuckDB's JSON reader over the lines' keys (no value is typed), so that a field only some
+    lines carry is kept too."""
+    if not group:
+        return []
+    try:
+        found = conn.execute(
+            """SELECT list(DISTINCT k ORDER BY k) FROM (
+                   SELECT unnest(json_keys(json)) AS k
+                   FROM read_json_objects($files, format = 'newline_delimited', compression = 'gzip',
+                                          ignore_errors = true, maximum_object_size = $max))
+               WHERE k NOT IN (SELECT unnest($known::VARCHAR[]))""",
+            {"files": [str(p) for _, p, _ in group], "max": _MAX_OBJECT,
+             "known": sorted(set(known) | PAGE_RELATIONS)}).fetchone()[0]
+    except (duckdb.InvalidInputException, duckdb.IOException):
+        return []  # the read that follows says what is wrong with the file
+    return list(found or [])
 
 
 def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]],
