@@ -426,8 +426,16 @@ def upgrade_cmd(warehouse) -> None:
     with _open(settings, migrate=False) as conn:
         before = warehouse_mod.schema_version(conn)
         applied = warehouse_mod.apply_migrations(conn, settings)
+        if 5 in applied:  # feature_token_stats is new: filled for the features loaded before
+            from .stages import materialise
+
+            filled = materialise.refresh(conn, settings)
     after = before + len(applied)
     click.echo(f"schema version {before} -> {after}" if applied else f"schema version {before}: up to date")
+    if 5 in applied:
+        click.echo(f"feature_token_stats filled for {filled.n_features} features (featurehouse by-token); "
+                   "explanation embeddings and extra fields of rows loaded before: ingest their inputs "
+                   "again with --reprocess")
 
 
 @cli.command("migrate")
@@ -482,7 +490,7 @@ def _print_found(found, fmt: str, widths: dict[str, int] | None = None) -> None:
         widths = widths or {}
 
         def cell(col: str, v) -> str:
-            text = (", ".join(map(str, v)) if isinstance(v, (list, tuple)) else
+            text = (", ".join(repr(x) if isinstance(x, str) else str(x) for x in v) if isinstance(v, (list, tuple)) else
                     f"{v:.4f}" if isinstance(v, float) else "" if v is None else str(v))
             text = " ".join(text.split())  # newlines and runs of spaces in descriptions
             limit = widths.get(col, 60)

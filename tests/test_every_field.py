@@ -230,3 +230,32 @@ def test_a_bad_embedding_is_quarantined_not_loaded(tmp_path, gz):
     assert query(settings.warehouse, "SELECT explanation_id FROM explanations") == [("exp-b",)]
     fired = dict(query(settings.warehouse, "SELECT record_key, check_name FROM quarantine"))
     assert fired == {f"bad-{i}": check for i, (_, _, check) in enumerate(BAD_EMBEDDINGS)}
+
+
+def test_a_version_4_warehouse_upgrades(tmp_path):
+    """Schema 5 on a warehouse made before it: the new columns appear (empty for old rows) and
+    `upgrade` fills feature_token_stats for the features already loaded."""
+    import subprocess
+    import sys
+
+    from pipeline.lake import warehouse as wh
+    from tests.conftest import good_page
+    from tests.formats import to_api_json
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([write(tmp_path / "in" / "p.json", to_api_json(good_page(7)))], settings)
+    with wh.connect(settings) as conn:  # back to what schema 4 made
+        for sql in ("ALTER TABLE explanations DROP COLUMN embedding", "ALTER TABLE explanations DROP COLUMN extra",
+                    "ALTER TABLE activations DROP COLUMN extra", "DROP TABLE feature_token_stats",
+                    "DELETE FROM schema_version WHERE version = 5"):
+            conn.execute(sql)
+    fh = Path(sys.executable).parent / "featurehouse"
+    r = subprocess.run([str(fh), "status", "--warehouse", str(settings.warehouse)], capture_output=True, text=True)
+    assert r.returncode == 1 and "featurehouse upgrade" in r.stderr
+    r = subprocess.run([str(fh), "upgrade", "--warehouse", str(settings.warehouse)], capture_output=True, text=True)
+    assert r.returncode == 0 and "schema version 4 -> 5" in r.stdout and "filled for 1 features" in r.stdout, r.stderr
+    assert query(settings.warehouse, "SELECT explanation_id, embedding, extra FROM explanations") == [
+        ("exp-gpt-oss-20b-11-resid-post-aa-7", None, None)]
+    assert query(settings.warehouse, "SELECT token, max_activation, n_peak_excerpts FROM feature_token_stats "
+                                     "ORDER BY token") == [("t0_1", 1.5, 0), ("t0_2", 3.25, 1), ("t1_0", 2.0, 1),
+                                                           ("t2_1", 0.5, 1)]

@@ -183,14 +183,20 @@ def test_refresh_after_a_load_and_stale_note(tmp_path, lake):
     assert old.note is None
     page = good_page(9, model="other-model", source="3-res")
     page["explanations"][0].update(description="penguins on ice", embedding=_unit(9))
-    run_ingest([write(tmp_path / "in" / "p.json", to_api_json(page))], settings)
+    # and a feature already indexed, captured again: its old explanation leaves the index
+    again = good_page(5, model=MODEL, source=SOURCE)
+    again["explanations"][0].update(description="jokes about penguins", embedding=_unit(5))
+    run_ingest([write(tmp_path / "in" / "p.json", to_api_json(page)),
+                write(tmp_path / "in" / "again.json", to_api_json(again))], settings)
     with find.Finder(settings) as stale:
         assert "changed since" in stale.note and stale.search("penguins").rows == []
     info = find.refresh_index(settings)
-    assert info.mode == "refreshed" and info.n_changed_features == 1
+    assert info.mode == "refreshed" and info.n_changed_features == 2
     with find.Finder(settings) as fresh:
         assert fresh.note is None
-        assert [(r[0], r[2]) for r in fresh.search("penguins").rows] == [("other-model", 9)]
+        assert sorted((r[0], r[2]) for r in fresh.search("penguins").rows) == [(MODEL, 5), ("other-model", 9)]
+        assert [r[3] for r in fresh.search("jokes", source=SOURCE, limit=5000).rows if r[2] == 5] == [
+            "jokes about penguins"]
         assert fresh.similar("other-model/3-res/9", limit=3).rows[0][4] == "embedding"
         refreshed = [fresh.similar(f"{MODEL}/{SOURCE}/{i}", limit=8).rows for i in (0, 5)]
         searched = fresh.search("jokes humour", limit=20).rows
@@ -258,3 +264,43 @@ def test_a_missing_index_is_named(tmp_path):
     settings = Settings(warehouse=tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError):
         find.Finder(settings)
+
+
+@pytest.mark.browser
+def test_show_html_renders_in_chromium(lake, tmp_path):
+    from tests.test_report import CHROMIUM, Browser
+
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")
+    settings, _ = lake
+    view = find.show(settings, "gpt-oss-20b/11-resid-post-aa/7")
+    page = tmp_path / "feature.html"
+    page.write_text(find.render_html(view), encoding="utf-8")
+    b = Browser()
+    try:
+        b.open(page.as_uri())
+        assert b.problems() == []
+        assert b.js("document.title").startswith("gpt-oss-20b/11-resid-post-aa/7")
+        # self-contained: nothing to fetch, no script
+        assert b.js("document.querySelectorAll('script, link, img, iframe').length") == 0
+        excerpts = b.js("""[...document.querySelectorAll('.excerpt')].map(e => ({
+            max: parseFloat(e.dataset.max),
+            toks: [...e.querySelectorAll('.tok')].map(t => ({v: parseFloat(t.dataset.activation),
+                   bg: getComputedStyle(t).backgroundColor, peak: t.classList.contains('peak'),
+                   outline: getComputedStyle(t).outlineStyle, text: t.textContent}))}))""")
+        assert len(excerpts) == 3
+        top = max(e["max"] for e in excerpts)
+        for e in excerpts:
+            peaks = [t for t in e["toks"] if t["peak"]]
+            assert len(peaks) == 1 and peaks[0]["v"] == e["max"] and peaks[0]["outline"] == "solid"
+            for t in e["toks"]:  # shaded by activation: the alpha is the value over the largest
+                alpha = float(t["bg"].rstrip(")").split(",")[3]) if t["bg"].startswith("rgba") else 1.0
+                if t["v"] == 0:
+                    assert t["bg"] in ("rgba(255, 120, 0, 0)", "rgba(0, 0, 0, 0)")
+                else:
+                    assert alpha == pytest.approx(t["v"] / top, abs=0.002)
+        assert b.js("document.querySelector('.explanations').textContent").count("jokes told by comedians") == 1
+        assert b.js("document.querySelectorAll('table.neighbours tr').length") > 1
+        b.screenshot(tmp_path / "feature.png")
+    finally:
+        b.close()

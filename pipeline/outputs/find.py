@@ -130,6 +130,20 @@ def parse_key(key: str) -> tuple[str, str, int]:
     return "/".join(parts[:-2]), parts[-2], int(parts[-1])
 
 
+def _literal(v: Any) -> str:
+    """A value as an SQL literal. The queries inline their values: DuckDB's Python binding of
+    a parameter imports pandas (0.5 s, half the CLI's budget) the first time."""
+    if v is None:
+        return "NULL"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(int(v))
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_literal(x) for x in v) + "]"
+    return "'" + str(v).replace("'", "''") + "'"
+
+
 # --- where the index lives, and the lake's version ----------------------------------------------
 
 
@@ -165,28 +179,38 @@ def _relevant(changes: str | None, table_ids: set[int]) -> bool:
 
 def lake_changes_since(settings: Settings, snapshot_id: int) -> tuple[int, int]:
     """(the warehouse's latest snapshot, how many snapshots after ``snapshot_id`` changed a
-    table the index reads). Read from the catalog alone: for an SQLite catalog with Python's
-    sqlite3, read-only (a few ms, no DuckLake to load); otherwise through DuckLake."""
+    table the index reads), read from the catalog's own tables, never through DuckLake (whose
+    extension costs a query a second to load)."""
+    sql = {
+        "ids": f"SELECT table_id FROM {{c}}ducklake_table WHERE table_name IN ({', '.join(_literal(t) for t in _FIND_TABLES)})",
+        "latest": "SELECT max(snapshot_id) FROM {c}ducklake_snapshot",
+        "changes": f"SELECT changes_made FROM {{c}}ducklake_snapshot_changes WHERE snapshot_id > {int(snapshot_id)}",
+    }
     if settings.catalog_kind == "sqlite":
         path = Path(settings.catalog_url.removeprefix("sqlite:"))
         if not path.exists():
             raise warehouse_mod.WarehouseMissing(f"no warehouse at {settings.warehouse}: run `featurehouse ingest` first")
+    if settings.catalog_kind == "sqlite" and not warehouse_mod.extension_loaded("sqlite_scanner"):
+        # Python's sqlite3, read-only, for a few milliseconds. Not in a process whose DuckDB
+        # has the catalog open (it has loaded the SQLite scanner): two SQLite libraries in one
+        # process do not see each other's locks (see warehouse._catalog_state).
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as db:
-            ids = {tid for (tid,) in db.execute(
-                f"SELECT table_id FROM ducklake_table WHERE table_name IN ({','.join('?' * len(_FIND_TABLES))})",
-                _FIND_TABLES).fetchall()}
-            (latest,) = db.execute("SELECT max(snapshot_id) FROM ducklake_snapshot").fetchone()
-            rows = db.execute("SELECT changes_made FROM ducklake_snapshot_changes WHERE snapshot_id > ?",
-                              [snapshot_id]).fetchall()
+            ids = {tid for (tid,) in db.execute(sql["ids"].format(c="")).fetchall()}
+            (latest,) = db.execute(sql["latest"].format(c="")).fetchone()
+            rows = db.execute(sql["changes"].format(c="")).fetchall()
+    elif settings.catalog_kind == "sqlite":
+        with duckdb.connect(config={"autoinstall_known_extensions": False, "allow_unsigned_extensions": True}) as db:
+            warehouse_mod.load_extension(db, "sqlite_scanner")
+            db.execute(f"ATTACH {_literal(str(path))} AS cat (TYPE sqlite, READ_ONLY)")
+            ids = {tid for (tid,) in db.execute(sql["ids"].format(c="cat.")).fetchall()}
+            (latest,) = db.execute(sql["latest"].format(c="cat.")).fetchone()
+            rows = db.execute(sql["changes"].format(c="cat.")).fetchall()
     else:
         with warehouse_mod.connect(settings, read_only=True) as lake:
-            meta = f"__ducklake_metadata_{warehouse_mod.CATALOG}"
-            ids = {tid for (tid,) in lake.execute(
-                f"SELECT table_id FROM {meta}.ducklake_table WHERE table_name IN (SELECT unnest($t::VARCHAR[]))",
-                {"t": list(_FIND_TABLES)}).fetchall()}
-            (latest,) = lake.execute(f"SELECT max(snapshot_id) FROM {meta}.ducklake_snapshot").fetchone()
-            rows = lake.execute(f"SELECT changes_made FROM {meta}.ducklake_snapshot_changes WHERE snapshot_id > ?",
-                                [snapshot_id]).fetchall()
+            c = f"__ducklake_metadata_{warehouse_mod.CATALOG}."
+            ids = {tid for (tid,) in lake.execute(sql["ids"].format(c=c)).fetchall()}
+            (latest,) = lake.execute(sql["latest"].format(c=c)).fetchone()
+            rows = lake.execute(sql["changes"].format(c=c)).fetchall()
     return int(latest or 0), sum(1 for (c,) in rows if _relevant(c, ids))
 
 
@@ -346,6 +370,47 @@ def _fts(idx: duckdb.DuckDBPyConnection) -> None:
                 "stopwords = 'english', overwrite = 1)")
 
 
+#: Bring the fts extension's index tables (fts_main_docs: docs, terms, dict, stats) in line
+#: with ``docs`` after a refresh replaced some of its rows, as create_fts_index would build them
+#: (its indexing script: a term is a stemmed token that is not a stop word; df counts documents;
+#: stats holds the number of documents and their mean length), without reading the other
+#: 262,144 descriptions again (a rebuild takes ~3 s). tests/test_find.py checks the scores
+#: equal a rebuild's.
+_FTS_UPDATE = """
+CREATE OR REPLACE TEMP TABLE fts_gone AS
+    SELECT docid FROM fts_main_docs.docs WHERE name NOT IN (SELECT doc_id FROM docs);
+UPDATE fts_main_docs.dict AS d SET df = d.df - g.n
+    FROM (SELECT termid, count(DISTINCT docid) AS n FROM fts_main_docs.terms
+          WHERE docid IN (SELECT docid FROM fts_gone) GROUP BY termid) AS g
+    WHERE d.termid = g.termid;
+DELETE FROM fts_main_docs.terms WHERE docid IN (SELECT docid FROM fts_gone);
+DELETE FROM fts_main_docs.docs WHERE docid IN (SELECT docid FROM fts_gone);
+CREATE OR REPLACE TEMP TABLE fts_new_docs AS
+    SELECT (SELECT coalesce(max(docid), -1) FROM fts_main_docs.docs)
+               + row_number() OVER (ORDER BY doc_id) AS docid, doc_id AS name, description
+    FROM docs WHERE doc_id NOT IN (SELECT name FROM fts_main_docs.docs);
+CREATE OR REPLACE TEMP TABLE fts_new_terms AS
+    SELECT stem(w, 'porter') AS term, docid, 0::BIGINT AS fieldid
+    FROM (SELECT unnest(fts_main_docs.tokenize(description)) AS w, docid FROM fts_new_docs)
+    WHERE w IS NOT NULL AND len(w) > 0 AND w NOT IN (SELECT sw FROM fts_main_docs.stopwords);
+INSERT INTO fts_main_docs.dict (termid, term, df)
+    SELECT (SELECT coalesce(max(termid), -1) FROM fts_main_docs.dict) + row_number() OVER (ORDER BY term), term, 0
+    FROM (SELECT DISTINCT term FROM fts_new_terms WHERE term NOT IN (SELECT term FROM fts_main_docs.dict));
+INSERT INTO fts_main_docs.terms (docid, fieldid, termid)
+    SELECT t.docid, t.fieldid, d.termid FROM fts_new_terms AS t JOIN fts_main_docs.dict AS d USING (term);
+UPDATE fts_main_docs.dict AS d SET df = d.df + g.n
+    FROM (SELECT termid, count(DISTINCT t.docid) AS n FROM fts_main_docs.terms AS t
+          WHERE t.docid IN (SELECT docid FROM fts_new_docs) GROUP BY termid) AS g
+    WHERE d.termid = g.termid;
+INSERT INTO fts_main_docs.docs (docid, name, len)
+    SELECT n.docid, n.name, count(t.term) FROM fts_new_docs AS n LEFT JOIN fts_new_terms AS t USING (docid)
+    GROUP BY n.docid, n.name;
+DELETE FROM fts_main_docs.stats;
+INSERT INTO fts_main_docs.stats SELECT count(docid), sum(len) / count(len) FROM fts_main_docs.docs;
+DROP TABLE fts_gone; DROP TABLE fts_new_docs; DROP TABLE fts_new_terms;
+"""
+
+
 def _meta(idx: duckdb.DuckDBPyConnection, **values: Any) -> None:
     for k, v in values.items():
         idx.execute(f"INSERT OR REPLACE INTO meta VALUES ({_literal(k)}, {_literal(None if v is None else str(v))})")
@@ -473,7 +538,7 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
                 emb_rows = _write_matrices(directory, generation, lake, queries["emb"], n_rows, "r+b")
                 # a changed feature takes a new fid: its old one is left only on dead rows
                 _load_rows(idx, lake, queries, emb_rows)
-                _fts(idx)
+                idx.execute(_FTS_UPDATE)
                 _meta(idx, snapshot_id=snapshot, n_rows=n_rows + emb_rows.num_rows,
                       refreshed_at=datetime.now(timezone.utc).isoformat())
                 counts = _counts(idx)
@@ -499,20 +564,6 @@ def index_info(where: Settings | str | os.PathLike) -> dict[str, Any]:
 
 
 # --- reading ------------------------------------------------------------------------------------
-
-
-def _literal(v: Any) -> str:
-    """A value as an SQL literal. The queries inline their values: DuckDB's Python binding of
-    a parameter imports pandas (0.5 s, half the CLI's budget) the first time."""
-    if v is None:
-        return "NULL"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(int(v))
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_literal(x) for x in v) + "]"
-    return "'" + str(v).replace("'", "''") + "'"
 
 
 def _bind(sql: str, params: dict[str, Any]) -> str:

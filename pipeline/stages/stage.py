@@ -303,7 +303,8 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
         group = files.get(table) or []
         # Fields the typed read does not know are read as JSON, for `extra`.
         columns = {**known, **{k: "JSON" for k in _unknown_fields(conn, group, known)}}
-        cols = ", ".join(f'"{k.replace(chr(34), chr(34) * 2)}" {v}' for k, v in columns.items())
+        parsed = _EXPORT_EMBEDDING if table == "explanations" else {}
+        cols = ", ".join(f'"{k.replace(chr(34), chr(34) * 2)}" {v}' for k, v in {**columns, **parsed}.items())
         conn.execute(
             f"CREATE OR REPLACE TEMP TABLE fast_export_{table} (input_sha256 VARCHAR, {cols})"
         )
@@ -330,19 +331,25 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     return out
 
 
+_ACTIVATION_KEY_LINES = 10_000
+
+
 def _unknown_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path, int]],
                     known: dict[str, str]) -> list[str]:
     """The fields of the files' lines that ``known`` does not type, by name: one pass of
     DuckDB's JSON reader over the lines' keys (no value is typed), so that a field only some
-    lines carry is kept too."""
+    lines carry is kept too (activation files: their first ``_ACTIVATION_KEY_LINES`` lines)."""
     if not group:
         return []
+    # Activation batches are the big ones (hundreds of MB): their keys are read from their
+    # first lines only (their producers write one column set a file).
+    limit = f"LIMIT {_ACTIVATION_KEY_LINES}" if "tokens" in known else ""
     try:
         found = conn.execute(
-            """SELECT list(DISTINCT k ORDER BY k) FROM (
-                   SELECT unnest(json_keys(json)) AS k
-                   FROM read_json_objects($files, format = 'newline_delimited', compression = 'gzip',
-                                          ignore_errors = true, maximum_object_size = $max))
+            f"""SELECT list(DISTINCT k ORDER BY k) FROM (
+                   SELECT unnest(json_keys(json)) AS k FROM (
+                       SELECT json FROM read_json_objects($files, format = 'newline_delimited', compression = 'gzip',
+                                                          ignore_errors = true, maximum_object_size = $max) {limit}))
                WHERE k NOT IN (SELECT unnest($known::VARCHAR[]))""",
             {"files": [str(p) for _, p, _ in group], "max": _MAX_OBJECT,
              "known": sorted(set(known) | PAGE_RELATIONS)}).fetchone()[0]
@@ -360,12 +367,14 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
         # Streams: no window, sort or join over the rows (a row's id is the temp table's rowid),
         # so a batch larger than DuckDB's memory cap spills instead of failing, and the rows
         # keep the order of the lines (read_json and INSERT preserve insertion order).
-        conn.execute(
-            f"""INSERT INTO fast_export_{table} BY NAME
-                SELECT $shas[list_position($files, j.filename)] AS input_sha256, j.* EXCLUDE (filename)
+        select = f"""SELECT $shas[list_position($files, j.filename)] AS input_sha256, j.* EXCLUDE (filename)
                 FROM read_json($files, columns = $columns, format = 'newline_delimited',
                                compression = 'gzip', filename = true, ignore_errors = true,
-                               maximum_object_size = {_MAX_OBJECT}) AS j""",
+                               maximum_object_size = {_MAX_OBJECT}) AS j"""
+        if table == "explanations":
+            select = _with_embedding(select, "embedding", name="embedding_values", keep_raw=True)
+        conn.execute(
+            f"""INSERT INTO fast_export_{table} BY NAME {select}""",
             {"files": paths, "shas": [sha for sha, _ in group], "columns": columns or _EXPORT_COLUMNS[table]},
         )
     except (duckdb.InvalidInputException, duckdb.IOException) as exc:
@@ -423,7 +432,8 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
             return None  # its rows without a scalar are objects without one: they are validated
         conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ? AND {no_scalar}", [sha])
         if n_again:
-            refused = _insert_exports(conn, table, [(sha, again)], _table_columns(conn, f"fast_export_{table}"))
+            refused = _insert_exports(conn, table, [(sha, again)], {
+                c: t for c, t in _table_columns(conn, f"fast_export_{table}").items() if c not in _EXPORT_EMBEDDING})
             if refused:
                 return refused[sha]
         (n_now,) = conn.execute(f"SELECT count(*) FROM fast_export_{table} WHERE input_sha256 = ?", [sha]).fetchone()
@@ -598,21 +608,45 @@ _NUMBER_LIST = r"\s*\[\s*(NUM(\s*,\s*NUM)*)?\s*\]\s*".replace(
     "NUM", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
 
-def _embedding_sql(e: str) -> str:
-    """Select list reading an explanation's ``embedding`` (JSON: a list, or a string holding
-    one) as ``embedding`` (DOUBLE[], when all its values are finite numbers),
-    ``embedding_dim`` (how many values it holds) and ``embedding_numeric``, as
-    ``parse._embedding`` does on the Python road; the suite quarantines a bad one."""
+def _embedding_text(e: str) -> str:
+    """SQL for the JSON text of an explanation's ``embedding`` (JSON: a list, or a string
+    holding one), NULL when it is absent or null; computed once per row, in a subquery."""
     raw = f"(CASE WHEN json_type({e}) = 'NULL' THEN NULL ELSE {e} END)"
-    text = f"(CASE WHEN json_type({raw}) = 'VARCHAR' THEN {raw}->>'$' ELSE CAST({raw} AS VARCHAR) END)"
-    nums = f"TRY_CAST(TRY_CAST({text} AS JSON) AS DOUBLE[])"
-    numeric = (f"(CASE WHEN {raw} IS NULL THEN NULL ELSE coalesce(regexp_full_match({text}, '{_NUMBER_LIST}') "
-               f"AND list_count({nums}) = len({nums}) "
-               f"AND isfinite(coalesce(list_sum({nums}), 0)), false) END)")
-    dim = (f"(CASE WHEN json_type(TRY_CAST({text} AS JSON)) = 'ARRAY' "
-           f"THEN json_array_length(TRY_CAST({text} AS JSON)) END)")
-    return (f"CASE WHEN {numeric} THEN {nums} END AS embedding, "
-            f"CAST({dim} AS INTEGER) AS embedding_dim, {numeric} AS embedding_numeric")
+    return f"(CASE WHEN json_type({raw}) = 'VARCHAR' THEN {raw}->>'$' ELSE CAST({raw} AS VARCHAR) END)"
+
+
+#: Over a row with ``_emb_text`` (``_embedding_text``) and ``_emb_nums`` (that text cast to
+#: DOUBLE[]): whether the embedding is all finite numbers (the JSON grammar of a list of
+#: numbers, no value lost in the cast).
+_EMBEDDING_NUMERIC = f"""
+    CASE WHEN _emb_text IS NULL THEN NULL
+         ELSE coalesce(regexp_full_match(_emb_text, '{_NUMBER_LIST}') AND list_count(_emb_nums) = len(_emb_nums)
+                       AND isfinite(coalesce(list_sum(_emb_nums), 0)), false) END"""
+#: ... then ``embedding`` and ``embedding_dim`` (how many values it holds), as
+#: ``parse._embedding`` gives them on the Python road; the suite quarantines a bad one.
+_EMBEDDING_COLUMNS = """
+    CASE WHEN embedding_numeric THEN _emb_nums END AS embedding,
+    CAST(CASE WHEN embedding_numeric THEN len(_emb_nums)
+              WHEN json_type(TRY_CAST(_emb_text AS JSON)) = 'ARRAY' THEN json_array_length(TRY_CAST(_emb_text AS JSON))
+         END AS INTEGER) AS embedding_dim"""
+
+
+def _with_embedding(select: str, e: str, *, name: str = "embedding", keep_raw: bool = False) -> str:
+    """``select`` (whose rows have the JSON ``e``) with the embedding's columns (the numbers as
+    ``name``), each computed once (a subquery a step: DuckDB expands a reference to a column
+    alias of the same SELECT). ``keep_raw`` keeps ``e`` where it is not a list of numbers (what
+    a quarantined record shows), and drops it where the numbers say all."""
+    raw = f"CASE WHEN embedding_numeric THEN NULL ELSE {e} END AS {e}, " if keep_raw else ""
+    columns = _EMBEDDING_COLUMNS.replace("END AS embedding,", f"END AS {name},")
+    return (f"SELECT * EXCLUDE (_emb_text, _emb_nums, {e}), {raw}{columns} FROM ("
+            f"SELECT *, {_EMBEDDING_NUMERIC} AS embedding_numeric FROM ("
+            f"SELECT *, TRY_CAST(_emb_text AS DOUBLE[]) AS _emb_nums FROM ("
+            f"SELECT *, {_embedding_text(e)} AS _emb_text FROM ({select}))))")
+
+
+#: What the export road keeps of an embedding, parsed as it is read (``_insert_exports``): the
+#: numbers, not the text (a 256-value list is ~3.4 KB of JSON), so a batch holds it once.
+_EXPORT_EMBEDDING = {"embedding_values": "DOUBLE[]", "embedding_dim": "INTEGER", "embedding_numeric": "BOOLEAN"}
 
 
 def _feature_columns(p: str, unlisted: list[str] = ()) -> str:
@@ -640,7 +674,8 @@ def _activation_columns(a: str, unlisted: list[str] = ()) -> str:
                {_extra_sql(a, ACTIVATION_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
-def _explanation_columns(e: str, model: str, layer: str, index: str, unlisted: list[str] = ()) -> str:
+def _explanation_columns(e: str, model: str, layer: str, index: str, unlisted: list[str] = (),
+                         embedding: str | None = None) -> str:
     """Select list mapping an explanation object ``e``; its key falls back to its page's."""
     return f"""{e}.id AS explanation_id, coalesce({e}.modelId, {model}) AS model_id,
                coalesce({e}.layer, {layer}) AS source_id,
@@ -648,7 +683,7 @@ def _explanation_columns(e: str, model: str, layer: str, index: str, unlisted: l
                {e}.description, {e}.explanationModelName AS explanation_model,
                {e}.typeName AS type_name, {e}.authorId AS author_id,
                CAST({e}.scores AS VARCHAR) AS scores, {_ts(f"{e}.createdAt")} AS created_at,
-               {_embedding_sql(f"{e}.embedding")},
+               {embedding or f"{e}.embedding AS embedding_json"},
                {_extra_sql(e, EXPLANATION_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
@@ -674,7 +709,8 @@ def _export_select(table: str, unlisted: list[str] = ()) -> str:
     if table == "activations":
         return (f"SELECT {_activation_columns('r', unlisted)}, {row}, {_own_key('r')} AS page_key "
                 "FROM fast_export_activations AS r")
-    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL', unlisted)}, {row} "
+    parsed = "r.embedding_values AS embedding, r.embedding_dim, r.embedding_numeric"
+    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL', unlisted, parsed)}, {row} "
             "FROM fast_export_explanations AS r")
 
 
@@ -691,7 +727,7 @@ def _fast_select(table: str) -> str:
                 FROM fast_pages AS p
             )"""
     if table == "explanations":
-        return f"""
+        return _with_embedding(f"""
             SELECT {_explanation_columns('e', 'page_model', 'page_layer', 'page_index')},
                    input_sha256, (_page << 20) + pos AS _row
             FROM (
@@ -701,7 +737,7 @@ def _fast_select(table: str) -> str:
                        CASE WHEN CAST(p."index" AS BIGINT) >= 0 THEN CAST(p."index" AS BIGINT) END AS page_index,
                        unnest(p.explanations) AS e, generate_subscripts(p.explanations, 1) AS pos
                 FROM fast_pages AS p
-            )"""
+            )""", "embedding_json")
     if table == "models":
         core = ["id", "displayName", "owner", "tlensId", "layers", "dimension", "createdAt", "updatedAt"]
         return f"""
@@ -755,7 +791,8 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
     for table in STAGED_TABLES:
         keys = _KEYS[table]
         if table in _RAW_TABLES:
-            unlisted = [c for c in _table_columns(conn, f"fast_export_{table}") if c not in _EXPORT_COLUMNS[table]]
+            unlisted = [c for c in _table_columns(conn, f"fast_export_{table}")
+                        if c not in _EXPORT_COLUMNS[table] and c not in _EXPORT_EMBEDDING]
             union = f"""SELECT * FROM ({_fast_select(table)})
                         UNION ALL BY NAME SELECT * FROM ({_export_select(table, unlisted)})
                         UNION ALL BY NAME SELECT * EXCLUDE (_raw) FROM py_{table}"""
@@ -807,7 +844,10 @@ def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) ->
         return {}
     export = [r for r in rows if r >= _EXPORT_ROW_BASE]
     if export:  # export rows as typed (the gzip file is not read again for a few records)
-        q = f"""SELECT {_EXPORT_ROW_BASE} + rowid AS _row, input_sha256, CAST(to_json(r) AS VARCHAR)
+        record = ("json_merge_patch(to_json(r), json_object('embedding_values', NULL, 'embedding_dim', NULL, "
+                  "'embedding_numeric', NULL, 'embedding', coalesce(r.embedding, to_json(r.embedding_values))))"
+                  if table == "explanations" else "to_json(r)")  # the embedding as received, or its numbers
+        q = f"""SELECT {_EXPORT_ROW_BASE} + rowid AS _row, input_sha256, CAST({record} AS VARCHAR)
                 FROM fast_export_{table} AS r
                 WHERE rowid IN (SELECT unnest($rows::BIGINT[]) - {_EXPORT_ROW_BASE})"""
         found = {r: (sha, j) for r, sha, j in conn.execute(q, {"rows": export}).fetchall()}
