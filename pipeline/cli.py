@@ -476,7 +476,7 @@ def _refresh_find(settings: Settings) -> None:
                f"({info.n_changed_features} features read)", err=True)
 
 
-def _print_found(found, fmt: str, widths: dict[str, int] | None = None) -> None:
+def _print_found(found, fmt: str, widths: dict[str, int] | None = None, empty: str = "(no match)") -> None:
     """A find answer on stdout: a plain table (no Arrow to import), CSV or JSON; its note
     (the index is older than the warehouse) on stderr."""
     if fmt in ("csv", "json"):
@@ -502,7 +502,7 @@ def _print_found(found, fmt: str, widths: dict[str, int] | None = None) -> None:
         for r in cells:
             click.echo("  ".join(v.ljust(n) for v, n in zip(r, sizes)).rstrip())
         if not found.rows:
-            click.echo("(no match)")
+            click.echo(empty)
     if found.note:
         click.echo(f"note: {found.note}", err=True)
 
@@ -578,7 +578,9 @@ def similar_cmd(feature, warehouse, model, source, limit, fmt, refresh) -> None:
             found = finder.similar(feature, model=model, source=source, limit=limit)
         except NoSuchFeature as exc:
             raise click.ClickException(str(exc)) from None
-        _print_found(found, fmt)
+        (n,) = finder.conn.execute("SELECT count(*) FROM features").fetchone()
+        _print_found(found, fmt, empty=f"(no other feature to compare it with: the find index holds {n} feature(s); "
+                                       "none other has an embedding or shares a top token or logit with it)")
 
 
 @cli.command("by-token")

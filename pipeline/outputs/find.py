@@ -972,9 +972,10 @@ table {{ border-collapse: collapse; }} td, th {{ padding: .2rem .6rem; border-bo
         parts.append(f'<div class="excerpt" data-max="{e["max_value"]}">' + "".join(spans) + "</div>")
     parts.append("<h2>Nearest features</h2><table class=\"neighbours\"><tr><th>feature</th><th>similarity</th>"
                  "<th>basis</th><th>description</th></tr>")
-    if view.neighbours is not None:
-        for m, s, i, sim, basis, d in view.neighbours.rows:
-            parts.append(f"<tr><td>{esc(f'{m}/{s}/{i}')}</td><td>{sim:.4f}</td><td>{basis}</td><td>{esc((d or '').strip())}</td></tr>")
+    for m, s, i, sim, basis, d in (view.neighbours.rows if view.neighbours is not None else []):
+        parts.append(f"<tr><td>{esc(f'{m}/{s}/{i}')}</td><td>{sim:.4f}</td><td>{basis}</td><td>{esc((d or '').strip())}</td></tr>")
+    if view.neighbours is None or not view.neighbours.rows:
+        parts.append('<tr><td colspan="4">(no other feature to compare it with)</td></tr>')
     parts.append("</table>")
     if view.note:
         parts.append(f'<p class="note">{esc(view.note)}</p>')
