@@ -626,9 +626,13 @@ class Finder:
         phrases = [p.strip() for p in re.findall(r'"([^"]*)"', query) if p.strip()]
         words = query.replace('"', " ")
         where, params = self._narrow(model, source)
+        phrase = ""
         for i, p in enumerate(phrases):
-            where += f" AND strpos(lower(regexp_replace(d.description, '\\s+', ' ', 'g')), $p{i}) > 0"
+            # its longest word first (cheap), the phrase with runs of spaces folded only then
+            phrase += (f" AND contains(lower(description), $w{i})"
+                       f" AND strpos(lower(regexp_replace(description, '\\s+', ' ', 'g')), $p{i}) > 0")
             params[f"p{i}"] = re.sub(r"\s+", " ", p.lower())
+            params[f"w{i}"] = max(p.lower().split(), key=len)
         # BM25 as the fts extension's match_bm25 computes it (k = 1.2, b = 0.75), over the
         # query's terms only, instead of the macro's one subquery per document
         sql = f"""
@@ -642,12 +646,17 @@ class Finder:
                        sum(log((st.num_docs - qt.df + 0.5) / (qt.df + 0.5) + 1)
                            * (tf.tf * 2.2 / (tf.tf + 1.2 * (0.25 + 0.75 * dd.len / st.avgdl)))) AS score
                 FROM tf JOIN qt USING (termid) JOIN fts_main_docs.docs AS dd ON dd.docid = tf.docid, st
-                GROUP BY dd.name)
-            SELECT f.model_id, f.source_id, f.feature_index, d.description, d.explanation_model,
-                   round(s.score, 4) AS score, f.max_activation
-            FROM scores AS s JOIN docs AS d ON d.doc_id = s.doc_id JOIN features AS f ON f.fid = d.fid
-            WHERE true {where}
-            ORDER BY s.score DESC, f.model_id, f.source_id, f.feature_index, d.explanation_id
+                GROUP BY dd.name),
+            -- materialised: a phrase is checked on the matches only, not pushed down to every description
+            matched AS MATERIALIZED (
+                SELECT f.model_id, f.source_id, f.feature_index, d.description, d.explanation_model,
+                       s.score, f.max_activation, d.explanation_id
+                FROM scores AS s JOIN docs AS d ON d.doc_id = s.doc_id JOIN features AS f ON f.fid = d.fid
+                WHERE true {where})
+            SELECT model_id, source_id, feature_index, description, explanation_model,
+                   round(score, 4) AS score, max_activation
+            FROM matched WHERE true {phrase}
+            ORDER BY matched.score DESC, model_id, source_id, feature_index, explanation_id
             LIMIT $limit"""
         params.update(q=words, limit=int(limit))
         return self._found(self.conn.execute(_bind(sql, params)))
@@ -753,10 +762,14 @@ class Finder:
         if not ranked:
             return Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"], [], self.note)
         order = {f: i for i, (f, _) in enumerate(ranked)}
-        got = self.conn.execute(_bind(
-            """SELECT f.fid, f.model_id, f.source_id, f.feature_index,
-                      (SELECT string_agg(d.description, ' | ' ORDER BY d.doc_id) FROM docs d WHERE d.fid = f.fid)
-               FROM features f WHERE fid IN (SELECT unnest($f::INTEGER[]))""", {"f": [f for f, _ in ranked]})).fetchall()
+        # a join from the few features (a correlated subquery aggregated every description: ~1 s)
+        fids = ", ".join(str(int(f)) for f, _ in ranked)  # literals: the scans skip by zone maps
+        got = self.conn.execute(f"""
+            SELECT f.fid, f.model_id, f.source_id, f.feature_index, d.description
+            FROM features AS f
+            LEFT JOIN (SELECT fid, string_agg(description, ' | ' ORDER BY doc_id) AS description
+                       FROM docs WHERE fid IN ({fids}) GROUP BY fid) AS d USING (fid)
+            WHERE f.fid IN ({fids})""").fetchall()
         score = dict(ranked)
         rows = sorted(((m, s, i, round(score[f], 6), basis, d) for f, m, s, i, d in got),
                       key=lambda r: (-r[3], r[0], r[1], r[2]))
