@@ -53,7 +53,7 @@ __all__ = [
     "connect", "transaction", "write_lock", "schema_version", "migrations", "latest_version",
     "attach_sql", "extension_path", "settings_for", "sandbox", "apply_migrations", "is_conflict", "CommitStats",
     "RefusedQuery", "READ_ONLY_HELP", "check_read_only", "open_for_queries", "confine_process", "data_path",
-    "resolved_data_path", "load_extension", "exists",
+    "resolved_data_path", "load_extension", "extension_loaded", "exists",
 ]
 
 log = logging.getLogger("featurehouse")
@@ -166,6 +166,12 @@ def load_extension(conn: duckdb.DuckDBPyConnection, name: str) -> None:
     """LOAD extension ``name`` from its wheel into a connection opened with
     ``allow_unsigned_extensions`` (its signature checked once per process)."""
     _load(conn, name)
+
+
+def extension_loaded(name: str) -> bool:
+    """Whether this process has loaded extension ``name`` (then a LOAD of it is cheap)."""
+    with _VERIFIED_LOCK:
+        return any(Path(p).name == f"{name}.duckdb_extension" for p in _VERIFIED)
 
 
 def exists(settings: Settings) -> bool:
