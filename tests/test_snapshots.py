@@ -20,7 +20,7 @@ from tests.conftest import good_page, query, run_ingest, write
 from tests.formats import to_api_json, to_flight
 
 KEY = ("gpt-oss-20b", "11-resid-post-aa", 7)
-T0 = datetime(2026, 11, 1, 12, 0, 0)
+T0 = datetime(2026, 1, 1, 12, 0, 0)  # captures are in the past: a future time counts as now
 
 
 def _at(path, when: datetime):
