@@ -42,10 +42,12 @@ def pages(folder: Path, indices, *, seed: int = 0) -> Path:
     return folder
 
 
-def start_ingest(warehouse: Path, *paths: Path, env: dict | None = None) -> subprocess.Popen:
+def start_ingest(warehouse: Path, *paths: Path, env: dict | None = None, one_page_a_batch: bool = True) -> subprocess.Popen:
+    """``featurehouse ingest`` in a process of its own; one page a batch unless the run is only the
+    reference the others are compared with (batching does not change what loads)."""
     return subprocess.Popen([str(FEATUREHOUSE), "ingest", *map(str, paths), "--warehouse", str(warehouse),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ONE_PAGE_A_BATCH, **(env or {})})
+                            env={**os.environ, **(ONE_PAGE_A_BATCH if one_page_a_batch else {}), **(env or {})})
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -61,7 +63,7 @@ def fh(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.heavy(110)
 def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_path):
     warehouse = tmp_path / "wh"
-    corpus = pages(tmp_path / "in", range(30))
+    corpus = pages(tmp_path / "in", range(16))  # one page a batch: 16 commits, each seen by the queries
     fh("ingest", str(pages(tmp_path / "first", [1000])), "--warehouse", str(warehouse), "--no-progress")
     proc = start_ingest(warehouse, corpus)
     counts, others = [], []
@@ -75,7 +77,7 @@ def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_p
                        for cmd in (["status", "-n", "2"], ["report", "--out", str(tmp_path / "reports")])]
     finish(proc)
     final = query(warehouse, "SELECT count(*) FROM activations")[0][0]
-    assert final == 31 * 40
+    assert final == 17 * 40
     assert counts == sorted(counts), f"a reader saw rows disappear: {counts}"
     assert any(40 < c < final for c in counts), f"no query landed in the middle of the load: {counts}"
     assert len(others) == 4
@@ -132,7 +134,7 @@ def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     both = [start_ingest(tmp_path / "wh", one), start_ingest(tmp_path / "wh", two)]
     for p in both:
         finish(p)
-    finish(start_ingest(tmp_path / "alone", one, two))
+    finish(start_ingest(tmp_path / "alone", one, two, one_page_a_batch=False))
     assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(640, 640)]
     assert query(tmp_path / "wh", "SELECT count(*) FROM features") == [(16,)]
     _same_tables(tmp_path / "wh", tmp_path / "alone")
@@ -145,13 +147,13 @@ def test_two_concurrent_ingests_of_the_same_corpus_equal_one_ingest(tmp_path):
     both = [start_ingest(tmp_path / "wh", corpus), start_ingest(tmp_path / "wh", corpus)]
     for p in both:
         finish(p)
-    finish(start_ingest(tmp_path / "alone", corpus))
+    finish(start_ingest(tmp_path / "alone", corpus, one_page_a_batch=False))
     _same_tables(tmp_path / "wh", tmp_path / "alone")
     assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT input_sha256) FROM raw_inputs") == [(8, 8)]
 
 
 OUTSIDE_WRITER = textwrap.dedent("""
-    import sys, time, duckdb
+    import sys, threading, time, duckdb
     from pathlib import Path
     from pipeline.lake import warehouse as wh
     from pipeline.config import Settings
@@ -162,7 +164,9 @@ OUTSIDE_WRITER = textwrap.dedent("""
     conn.execute(f"ATTACH 'ducklake:{settings.catalog_url}' AS lake")
     commits = conflicts = 0
     stop = time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < stop:
+    done = threading.Event()  # the test closes stdin when the load has finished
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    while time.monotonic() < stop and not done.is_set():
         try:  # rewrite every feature row, as another tool might: it never takes featurehouse's lock
             conn.execute("UPDATE lake.features SET hook_name = hook_name")
             commits += 1
@@ -178,15 +182,16 @@ def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_p
     warehouse = tmp_path / "wh"
     finish(start_ingest(warehouse, pages(tmp_path / "v1", range(6), seed=1)))
     v2 = pages(tmp_path / "v2", range(6), seed=2)  # newer captures of the same features
-    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "25"],
-                               stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "120"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parent.parent)
     time.sleep(2)
     finish(start_ingest(warehouse, v2, env={"FEATUREHOUSE_COMMIT_ATTEMPTS": "50"}))
-    out, _ = outside.communicate(timeout=120)
+    out, _ = outside.communicate(input="", timeout=120)  # stops writing once the load is done
     assert outside.returncode == 0 and int(out.split()[0]) > 0, f"the outside writer did not write: {out}"
     (retries,) = query(warehouse, "SELECT commit_retries FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     assert retries > 0, "the outside writer never conflicted with the load: the test proved nothing"
-    finish(start_ingest(tmp_path / "alone", v2))
+    finish(start_ingest(tmp_path / "alone", v2, one_page_a_batch=False))
     for table in ("features", "activations", "explanations", "feature_activation_stats"):
         got = table_rows(warehouse, table, exclude=META_COLUMNS)
         want = table_rows(tmp_path / "alone", table, exclude=META_COLUMNS)
