@@ -87,9 +87,44 @@ def load_suite(table: str) -> dict[str, Any]:
     return json.loads((SCHEMAS_DIR / "expectations" / f"{table}.json").read_text())
 
 
+#: Modules Great Expectations imports at start-up for expectations featurehouse's suites do not
+#: use (``scipy.stats`` for the KL-divergence and KS-test ones): made lazy, they load on first
+#: use. Measured here: ``import great_expectations`` 4.6 s -> 3.4 s of CPU, in every process
+#: that validates (a CLI ingest, an Airflow task).
+_DEFERRED_IMPORTS = ("scipy.stats",)
+
+
+def _defer_unused_imports() -> None:
+    """Put a lazy module (``importlib.util.LazyLoader``) in ``sys.modules`` for each of
+    ``_DEFERRED_IMPORTS`` not imported yet: ``from scipy import stats`` then binds a module that
+    runs its code on first attribute access. Only a ``from package import module`` works this way
+    (a plain ``import package`` touches the module's spec, which loads it), hence scipy.stats
+    and not altair."""
+    import importlib.util
+    import sys
+
+    for name in _DEFERRED_IMPORTS:
+        if name in sys.modules:
+            continue
+        parent, _, child = name.rpartition(".")
+        try:
+            package = importlib.import_module(parent)
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            continue
+        if spec is None or spec.loader is None:
+            continue
+        spec.loader = importlib.util.LazyLoader(spec.loader)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        setattr(package, child, module)
+
+
 @functools.lru_cache(maxsize=1)
 def _gx():
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
+    _defer_unused_imports()
     import great_expectations as gx  # heavy: imported on first validation, not at import time
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
