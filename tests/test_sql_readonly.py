@@ -70,6 +70,8 @@ WRITES = [
     "EXPLAIN ANALYZE COPY (SELECT 1 AS x) TO '{data_file}' (FORMAT parquet)",
     "EXPLAIN ANALYZE COPY (SELECT 1 AS x) TO '{data_dir}/main/features/new.parquet' (FORMAT parquet)",
     "/* c */ EXPLAIN /* c */ ANALYZE COPY (SELECT 1 AS x) TO '{data_dir}/x.csv'",
+    "EXPLAIN (ANALYZE, FORMAT json) COPY (SELECT 1 AS x) TO '{data_dir}/x.csv'",
+    "EXPLAIN (FORMAT /* ) */ json, ANALYZE) COPY (SELECT 1 AS x) TO '{data_dir}/x.csv'",
     # DuckLake's maintenance: writes Parquet files before the read-only commit fails
     "SELECT * FROM ducklake_merge_adjacent_files('featurehouse')",
     "FROM featurehouse.merge_adjacent_files()",
@@ -163,6 +165,8 @@ READS = [
     ("SUMMARIZE activations", "max_value"),
     ("EXPLAIN SELECT count(*) FROM activations", "physical_plan"),
     ("EXPLAIN ANALYZE SELECT count(*) FROM activations", "analyzed_plan"),
+    ("EXPLAIN (FORMAT json) SELECT count(*) FROM activations", "physical_plan"),
+    ("EXPLAIN (ANALYZE, FORMAT \"json\") SELECT count(*) FROM activations", "analyzed_plan"),
     ("SELECT count(*) AS n FROM activations AT (VERSION => 3)", "n"),
     ("SELECT count(*) > 0 AS ok FROM featurehouse.snapshots()", "true"),
     ("SELECT count(*) > 0 AS ok FROM snapshots()", "true"),

@@ -948,9 +948,32 @@ def _explained(sql: str) -> str:
     i = 1 if words and words[0][1] == "EXPLAIN" else 0
     if i and len(words) > 1 and words[1][1] in ("ANALYZE", "ANALYSE"):
         i = 2
+    if i == 1 and i < len(words) and words[i][1] == "(":
+        i = _explain_options_end(sql, words, i)
     if not i or i >= len(words) or words[i][1] == "(":
-        raise RefusedQuery(f"refused an EXPLAIN with options. {READ_ONLY_HELP}")
+        raise RefusedQuery(f"refused an EXPLAIN with options other than ANALYZE and FORMAT "
+                           f"{'|'.join(sorted(_EXPLAIN_FORMATS)).lower()}. {READ_ONLY_HELP}")
     return sql[words[i][0]:]
+
+
+#: ``EXPLAIN (FORMAT f)``'s formats: each only changes how the plan is printed.
+_EXPLAIN_FORMATS = frozenset({"TEXT", "JSON", "HTML", "GRAPHVIZ", "YAML", "MERMAID"})
+
+
+def _explain_options_end(sql: str, words: list[tuple[int, str]], i: int) -> int:
+    """The index of the first word after ``EXPLAIN (options)`` whose options are each ANALYZE or
+    FORMAT with one of :data:`_EXPLAIN_FORMATS`; 0 for any other option list."""
+    j = sql.find(")", words[i][0])
+    if j < 0:
+        return 0
+    items = [item.split() for item in sql[words[i][0] + 1:j].split(",")]
+    for item in items:
+        item = [w.strip('"').upper() for w in item]
+        if not (item in (["ANALYZE"], ["ANALYSE"]) or (len(item) == 2 and item[0] == "FORMAT"
+                                                           and item[1] in _EXPLAIN_FORMATS)):
+            return 0
+    after = [k for k, (offset, _) in enumerate(words) if offset > j]
+    return after[0] if after else 0
 
 
 def check_read_only(conn: duckdb.DuckDBPyConnection, sql: str) -> None:
