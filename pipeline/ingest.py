@@ -202,12 +202,16 @@ class _Run:
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too.
             threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
-        self._read_pages(batch)
-        self._read_exports(batch)
-        self._stage(batch)
+        timed = self.summary.timed
+        with timed("read"):
+            self._read_pages(batch)
+            self._read_exports(batch)
         try:
-            superseded = claim_captures(self.conn)
-            outcome = self._validate(now)
+            with timed("stage"):
+                self._stage(batch)
+                superseded = claim_captures(self.conn)
+            with timed("validate"):
+                outcome = self._validate(now)
             self._load(batch, outcome, superseded, now)
         finally:
             stage.drop(self.conn)
@@ -391,7 +395,8 @@ class _Run:
         # The batch's rows are written before the commit lock is taken; the commit adds the
         # files to the catalog (and writes the rows itself only where another writer's commit
         # since changed what loads): the lock is held for metadata, not for writing data.
-        prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess)
+        with s.timed("write"):
+            prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess)
         if batch.retimes:
             prewritten.snapshot = -1  # the commit moves capture times first: it decides again after
 
@@ -402,7 +407,8 @@ class _Run:
             for table in REFERENCE_KEYS:
                 upsert_reference(conn, table, now)
             if self.materialise:  # stats of the features this batch changed, in the same snapshot
-                materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS)
+                with s.timed("stats"):
+                    materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS)
             gone = [dict(r, run_id=run_id, recorded_at=now) for r in superseded + older]
             insert_rows(conn, "superseded", gone)
             # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.
@@ -443,8 +449,9 @@ class _Run:
             write_counts(conn, s, counts)
             return delta, counts
 
-        delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
-                                              extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+        with s.timed("commit"):
+            delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
+                                                  extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
         # committed: a file the commit did not add is no table's (after a failure, all of them
         # stay for `maintain` to delete: whether a failed commit added them is not known here)
         for path in prewritten.unused():
@@ -643,7 +650,8 @@ def ingest(
         show = progress if progress is not None else (total is None or total > 20)
         with tqdm(total=total, unit="input", disable=not show, desc="ingest") as bar:
             for item in todo:
-                run.take(item, batch)
+                with summary.timed("land"):
+                    run.take(item, batch)
                 bar.update(1)
                 if (batch.n_activations >= settings.batch_activations or batch.n_bytes >= settings.batch_bytes
                         or len(batch) >= _MAX_INPUTS_PER_BATCH):
@@ -684,7 +692,8 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
             report,  # charts pull in Altair and vl-convert: only when a report is wanted
         )
 
-        path = report.write_report(conn, summary.run_id, settings=settings)
+        with summary.timed("report"):
+            path = report.write_report(conn, summary.run_id, settings=settings)
         summary.report_path = str(path)
         runstate.record_report(conn, settings, summary.run_id, path)
     except Exception as exc:

@@ -17,8 +17,10 @@ its own), its end, the closing of a run loaded in parts, and where its report wa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -181,6 +183,22 @@ class RunSummary:
     """Set when this ingest is one of several loading one run at once (``ingest(part=...)``)."""
     written: dict[str, float] = field(default_factory=dict, repr=False)
     """A part's counters as already added to the shared ``runs`` row."""
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall seconds spent in each stage, in the order they ran: ``land`` (receive, land, route;
+    a page DuckDB cannot read is parsed here), ``read`` (DuckDB reads pages and exports), ``stage``
+    (staging tables, captures settled), ``validate`` (check columns and Great Expectations),
+    ``write`` (a batch's data files, before the commit lock), ``commit`` (the locked transaction:
+    lock wait, deletes, catalog, bookkeeping; ``stats`` included), ``stats`` (the statistics of
+    the features a batch changed), ``report``."""
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        """Add the time the ``with`` block takes to ``stage_seconds[stage]``."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - started
 
     def sync_commit_stats(self) -> dict[str, float]:
         self.commits, self.commit_retries = self.stats.commits, self.stats.retries
@@ -194,6 +212,7 @@ class RunSummary:
         d.pop("stats")
         d.pop("written")
         d["rejected"] = d["rejected"][:50]
+        d["stage_seconds"] = {k: round(v, 3) for k, v in self.stage_seconds.items()}
         return d
 
 
