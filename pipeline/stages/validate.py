@@ -67,7 +67,8 @@ _CHECK_SQL = {
     "explanations": """
         SELECT _row, coalesce(explanation_id, '(no id) for ' || concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?'))) AS record_key,
                explanation_id, hash(input_sha256) AS input_key, feature_index,
-               coalesce(length(trim(description)), 0) AS description_length
+               coalesce(length(trim(description)), 0) AS description_length,
+               embedding_dim, embedding_numeric
         FROM stage_explanations""",
 }
 
