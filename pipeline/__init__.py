@@ -10,6 +10,8 @@ search``) does not pay for the ingest stages (Great Expectations, pandas) at sta
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,3 +54,20 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package keeps its public names whatever is imported after it: importing the
+    submodule ``pipeline.ingest`` makes the import system set the package's attribute
+    ``ingest`` to that module, which would shadow the function ``pipeline.ingest`` (as the
+    eager ``from .ingest import ingest`` of old never let it). A submodule bound over a public
+    name binds the name to the module's own attribute instead."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (name in _LAZY and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{__name__}{_LAZY[name][0]}" and hasattr(value, _LAZY[name][1])):
+            value = getattr(value, _LAZY[name][1])
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -250,6 +250,15 @@ def test_cli_find_path_imports_nothing_heavy(lake):
     assert "HEAVY []" in r.stdout, r.stdout + r.stderr
 
 
+def test_pipeline_ingest_stays_the_function_after_its_module_is_imported():
+    # the lazy package: importing the submodule pipeline.ingest must not shadow the function
+    code = ("import pipeline.ingest, pipeline.stages.materialise\nfrom pipeline import ingest, refresh_stats\n"
+            "import pipeline\nprint(callable(ingest), type(ingest).__name__, pipeline.ingest is ingest,\n"
+            "      pipeline.refresh_stats.__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["True", "function", "True", "refresh"], r.stdout + r.stderr
+
+
 def test_find_from_python_returns_arrow(lake):
     import pipeline
 
