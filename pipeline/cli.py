@@ -547,12 +547,14 @@ def _print_found(found, fmt: str, widths: dict[str, int] | None = None, empty: s
             w.writerow(found.columns)
             w.writerows([_csv_cell(v) for v in r] for r in found.rows)
     else:
+        from .outputs.find import printable
+
         widths = widths or {}
 
         def cell(col: str, v) -> str:
             text = (", ".join(repr(x) if isinstance(x, str) else str(x) for x in v) if isinstance(v, (list, tuple)) else
                     f"{v:.4f}" if isinstance(v, float) else "" if v is None else str(v))
-            text = " ".join(text.split())  # newlines and runs of spaces in descriptions
+            text = printable(" ".join(text.split()))  # newlines and runs of spaces in descriptions; escapes
             limit = widths.get(col, 60)
             return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -575,11 +577,13 @@ def _finder(warehouse, refresh: bool):
     try:
         try:
             return find.Finder(settings, fresh="refresh" if refresh else "warn")
-        except find.FindIndexMissing:
-            click.echo(f"building the find index in {settings.find_index_dir} (first use) ...", err=True)
-            find.build_index(settings)
+        except find.FindIndexMissing as exc:
+            why = "first use" if type(exc) is find.FindIndexMissing else str(exc)
+            click.echo(f"building the find index in {settings.find_index_dir} ({why}) ...", err=True)
+            # a refresh, not a build: another process may have built it meanwhile
+            find.refresh_index(settings)
             return find.Finder(settings)
-    except _USER_ERRORS as exc:
+    except (find.FindIndexUnwritable, find.FindIndexMissing, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -619,6 +623,8 @@ def search_cmd(query, warehouse, model, source, limit, fmt, refresh) -> None:
     \b
     Example: featurehouse search '"programming language" syntax' --source 11-resid-post-aa
     """
+    if not query.replace('"', " ").strip():
+        raise click.UsageError("the search query is empty: give one or more words, or a \"quoted phrase\"")
     with _finder(warehouse, refresh) as finder:
         _print_found(finder.search(query, model=model, source=source, limit=limit), fmt)
 
@@ -698,7 +704,7 @@ def index_cmd(warehouse, full, fmt) -> None:
     settings = Settings.from_env(warehouse=warehouse)
     try:
         info = find.refresh_index(settings, full=full)
-    except _USER_ERRORS as exc:
+    except (find.FindIndexUnwritable, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
     if fmt == "json":
         _print_json(info.as_dict())

@@ -313,3 +313,189 @@ def test_show_html_renders_in_chromium(lake, tmp_path):
         b.screenshot(tmp_path / "feature.png")
     finally:
         b.close()
+
+
+# --- review of issue 19: the index's freshness, identity, damage, permissions, bad input -------
+
+
+def _copy(lake, tmp_path: Path, **kw) -> Settings:
+    """A copy of the module's warehouse (and its find index), to change without touching it."""
+    import shutil
+
+    wh = tmp_path / "wh"
+    shutil.copytree(lake[0].warehouse, wh)
+    return Settings(warehouse=wh, **kw)
+
+
+@pytest.fixture(scope="module")
+def other_lake(tmp_path_factory):
+    """Another warehouse: one page whose description and tokens hold terminal escapes."""
+    root = tmp_path_factory.mktemp("other")
+    page = good_page(3, model="other-model", source="5-res")
+    page["explanations"][0].update(description="penguins \x1b[31mred\x1b[0m \x1b]0;pwned\x07 here",
+                                   embedding=_unit(3))
+    page["activations"][0]["tokens"][0] = "\x1b[2J"
+    settings = Settings(warehouse=root / "wh")
+    run_ingest([write(root / "in" / "p.json", to_api_json(page))], settings)
+    return settings
+
+
+def test_the_index_is_stale_after_maintain_expired_the_history(lake, tmp_path):
+    from datetime import timedelta
+
+    from pipeline.lake import warehouse as warehouse_mod
+    from pipeline.lake.maintain import maintain
+
+    settings = _copy(lake, tmp_path)
+    assert find.refresh_index(settings).mode == "current"
+    maintain(settings, retention_days=0, grace=timedelta(0))  # nothing changed: merged files only
+    assert find.refresh_index(settings).mode == "current"
+    with warehouse_mod.connect(settings) as conn:
+        conn.execute(f"DELETE FROM {warehouse_mod.CATALOG}.explanations WHERE feature_index = 3")
+        # then a commit the index does not read, as a run's last one (its report) is
+        conn.execute(f"DELETE FROM {warehouse_mod.CATALOG}.runs WHERE run_id = (SELECT max(run_id) FROM "
+                     f"{warehouse_mod.CATALOG}.runs)")
+    # the delete's snapshot is expired: only the change feed said it was there
+    maintain(settings, retention_days=0, grace=timedelta(0))
+    with find.Finder(settings) as stale:
+        assert stale.note and "changed since" in stale.note
+    assert find.refresh_index(settings).mode == "built"
+    assert find.refresh_index(settings).mode == "current"
+    with find.Finder(settings) as fresh:
+        assert fresh.note is None
+        assert not [r for r in fresh.search("jokes humour paris programming", limit=5000).rows if r[2] == 3]
+
+
+def test_a_find_dir_two_warehouses_share_is_rebuilt_for_each(lake, other_lake, tmp_path):
+    shared = tmp_path / "shared-find"
+    a = _copy(lake, tmp_path, find_dir=shared)
+    b = Settings(warehouse=other_lake.warehouse, find_dir=shared)
+    assert find.build_index(a).mode == "built"
+    with pytest.raises(find.FindIndexForeign, match="another warehouse"):
+        find.Finder(b)
+    assert find.index_info(b)["same_warehouse"] is False
+    assert find.refresh_index(b).mode == "built"  # not "current": the snapshot ids mean nothing here
+    with find.Finder(b) as f:
+        assert [r[0] for r in f.search("penguins").rows] == ["other-model"]
+    with pytest.raises(find.FindIndexForeign):
+        find.Finder(a)
+    r = _fh("search", "jokes", "--warehouse", str(a.warehouse), "-n", "1", FEATUREHOUSE_FIND_DIR=str(shared))
+    assert r.returncode == 0 and "another warehouse" in r.stderr and MODEL in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut_matrix", "no_matrix"])
+def test_damaged_find_files_are_said_and_rebuilt(lake, tmp_path, damage):
+    settings = _copy(lake, tmp_path)
+    d = settings.find_index_dir
+    if damage == "garbage":
+        (d / "index.duckdb").write_bytes(b"\x00not a database" * 1000)
+    else:
+        (m,) = d.glob("emb-*.f32")
+        if damage == "cut_matrix":
+            with open(m, "r+b") as f:
+                f.truncate(m.stat().st_size // 2)
+        else:
+            m.unlink()
+    with pytest.raises(find.FindIndexDamaged):
+        find.Finder(settings)
+    r = _fh("search", "jokes", "--warehouse", str(settings.warehouse), "-n", "2")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "building the find index" in r.stderr and MODEL in r.stdout
+    assert find.refresh_index(settings).mode == "current"
+    with find.Finder(settings) as f:
+        assert f.similar(f"{MODEL}/{SOURCE}/0", limit=2).rows
+
+
+def test_index_rebuilds_damaged_files_instead_of_saying_current(lake, tmp_path):
+    settings = _copy(lake, tmp_path)
+    (m,) = settings.find_index_dir.glob("emb-*.f64")
+    m.write_bytes(b"")
+    assert find.refresh_index(settings).mode == "built"
+
+
+def test_a_read_only_warehouse_answers_from_a_current_index_or_says_it_cannot_build(lake, tmp_path):
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop the override of file permissions")
+    as_user = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    settings = _copy(lake, tmp_path)
+    wh = settings.warehouse
+
+    def read_only(on: bool) -> None:
+        for p in [wh, *wh.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222 if on else p.stat().st_mode | 0o200)
+
+    def fh(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(as_user + [str(FEATUREHOUSE), *args, "--warehouse", str(wh)],
+                              capture_output=True, text=True, timeout=120)
+
+    read_only(True)
+    try:
+        for args in (["search", "jokes"], ["search", "jokes", "--refresh"], ["by-token", " Paris"],
+                     ["show", f"{MODEL}/{SOURCE}/0"]):
+            r = fh(*args)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        r = fh("index")
+        assert r.returncode == 0 and "current" in r.stdout, r.stderr
+        r = fh("index", "--full")
+        assert r.returncode == 1 and "Traceback" not in r.stderr and "permission denied" in r.stderr, r.stderr
+    finally:
+        read_only(False)
+    shutil.rmtree(settings.find_index_dir)
+    read_only(True)
+    try:
+        r = fh("search", "jokes")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "cannot be built" in r.stderr and "permission denied" in r.stderr, r.stderr
+    finally:
+        read_only(False)
+
+
+def test_terminal_escapes_are_printed_escaped(other_lake):
+    wh = str(other_lake.warehouse)
+    for args in (["search", "penguins"], ["show", "other-model/5-res/3"], ["by-token", "\x1b[2J"]):
+        r = _fh(*args, "--warehouse", wh)
+        assert r.returncode == 0, r.stderr
+        assert "\x1b" not in r.stdout and "\x07" not in r.stdout
+    assert "\\x1b[31mred" in _fh("search", "penguins", "--warehouse", wh).stdout
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.5, "3", True, None])
+def test_the_python_api_checks_limit(finder, limit):
+    for call in (lambda: finder.search("jokes", limit=limit), lambda: finder.by_token("t0_2", limit=limit),
+                 lambda: finder.similar(f"{MODEL}/{SOURCE}/0", limit=limit)):
+        with pytest.raises(ValueError, match="limit"):
+            call()
+
+
+def test_an_empty_answer_has_typed_arrow_columns(finder):
+    import pyarrow as pa
+
+    empty, full = finder.search("qwertyuiop").to_arrow(), finder.search("jokes", limit=2).to_arrow()
+    assert empty.num_rows == 0 and empty.schema == full.schema
+    assert empty.schema.field("feature_index").type == pa.int64() and empty.schema.field("score").type == pa.float64()
+    tok = finder.by_token("no-such-token").to_arrow()
+    assert tok.schema == finder.by_token("t0_2").to_arrow().schema
+    assert tok.schema.field("tokens").type == pa.list_(pa.string())
+    sim = finder.similar(f"{MODEL}/{SOURCE}/0", limit=3).to_arrow()
+    assert sim.schema.field("similarity").type == pa.float64()
+
+
+def test_an_empty_search_is_a_usage_error(lake):
+    with pytest.raises(ValueError, match="empty"):
+        find.search(lake[0], "  ")
+    r = _fh("search", "", "--warehouse", str(lake[0].warehouse))
+    assert r.returncode == 2 and "empty" in r.stderr
+
+
+def test_a_leftover_lock_and_two_rebuilds_at_once(lake, tmp_path):
+    settings = _copy(lake, tmp_path)
+    (settings.find_index_dir / ".lock").write_text("left by a builder that was killed")
+    procs = [subprocess.Popen([str(FEATUREHOUSE), "index", "--full", "--warehouse", str(settings.warehouse)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert find.refresh_index(settings).mode == "current"
+    with find.Finder(settings) as f:
+        assert len(f.search("jokes", limit=3)) == 3 and f.similar(f"{MODEL}/{SOURCE}/0", limit=3).rows

@@ -33,7 +33,10 @@ rows, so none is needed.)
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hashlib
+import json
 import html
 import logging
 import math
@@ -55,7 +58,8 @@ from ..config import Settings
 from ..lake import warehouse as warehouse_mod
 
 __all__ = [
-    "Finder", "Found", "FindIndexMissing", "FindIndexStale", "NoSuchFeature", "IndexInfo",
+    "Finder", "Found", "FindIndexMissing", "FindIndexDamaged", "FindIndexForeign", "FindIndexUnwritable",
+    "FindIndexStale", "NoSuchFeature", "IndexInfo",
     "build_index", "refresh_index", "index_info", "search", "similar", "by_token", "show",
     "render_html", "parse_key", "EMBEDDING_DIM",
 ]
@@ -63,7 +67,7 @@ __all__ = [
 log = logging.getLogger("featurehouse")
 
 EMBEDDING_DIM = 256  # records.EMBEDDING_DIM; not imported: the stages pull in the whole ingest
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: the warehouse's identity and its find tables' fingerprint in meta
 _F32_MARGIN = 1e-4  # far above float32's error on a cosine of 256 values (~1e-6)
 _FIND_TABLES = ("explanations", "features", "feature_activation_stats", "feature_token_stats")
 _REFRESH_WHOLE_SHARE = 0.25  # past this share of changed features, a refresh builds anew
@@ -73,6 +77,18 @@ _LEADING = " \u2581\u0120"
 
 class FindIndexMissing(FileNotFoundError):
     "There is no find index yet: `featurehouse index` (or any ingest that refreshes it) builds it."
+
+
+class FindIndexDamaged(FindIndexMissing):
+    "The find index cannot be read (a damaged or partial file, another release's): it is rebuilt."
+
+
+class FindIndexForeign(FindIndexMissing):
+    "The find index was built from another warehouse (a shared FEATUREHOUSE_FIND_DIR): it is rebuilt."
+
+
+class FindIndexUnwritable(PermissionError):
+    "The find index cannot be built or refreshed: its folder may not be written."
 
 
 class FindIndexStale(RuntimeError):
@@ -96,13 +112,38 @@ class Found:
         return [dict(zip(self.columns, r)) for r in self.rows]
 
     def to_arrow(self):
+        """The answer as an Arrow table, typed by its columns whether or not it has rows."""
         import pyarrow as pa
 
+        types = {c: _ARROW_TYPES[c](pa) for c in self.columns if c in _ARROW_TYPES}
+        if len(types) == len(self.columns):
+            return pa.Table.from_pylist(self.as_dicts(), schema=pa.schema(list(types.items())))
         return pa.Table.from_pylist(self.as_dicts()) if self.rows else pa.table(
-            {c: pa.array([], pa.null()) for c in self.columns})
+            {c: pa.array([], types.get(c, pa.string())) for c in self.columns})
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+#: The Arrow type of each column an answer can hold (pyarrow is imported only by to_arrow).
+_ARROW_TYPES: dict[str, Any] = {
+    "model_id": lambda pa: pa.string(), "source_id": lambda pa: pa.string(),
+    "feature_index": lambda pa: pa.int64(), "description": lambda pa: pa.string(),
+    "explanation_model": lambda pa: pa.string(), "score": lambda pa: pa.float64(),
+    "max_activation": lambda pa: pa.float64(), "similarity": lambda pa: pa.float64(),
+    "basis": lambda pa: pa.string(), "max_activation_on_token": lambda pa: pa.float64(),
+    "n_peak_excerpts": lambda pa: pa.int64(), "n_active": lambda pa: pa.int64(),
+    "tokens": lambda pa: pa.list_(pa.string()),
+}
+
+
+def _check_limit(limit: Any) -> int:
+    """``limit`` as the queries take it: a whole number of rows, at least 1."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise ValueError(f"limit must be a whole number of rows (at least 1), not {limit!r}")
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, not {limit}")
+    return int(limit)
 
 
 @dataclass(frozen=True)
@@ -177,14 +218,41 @@ def _relevant(changes: str | None, table_ids: set[int]) -> bool:
     return "created_table" in (changes or "") and any(t in (changes or "") for t in _FIND_TABLES)
 
 
-def lake_changes_since(settings: Settings, snapshot_id: int) -> tuple[int, int]:
-    """(the warehouse's latest snapshot, how many snapshots after ``snapshot_id`` changed a
-    table the index reads), read from the catalog's own tables, never through DuckLake (whose
-    extension costs a query a second to load)."""
+@dataclass(frozen=True)
+class LakeState:
+    """What the catalog says about the warehouse, as the find index compares it with its own
+    record: ``identity`` names the warehouse (its find tables' uuids: a copy has the same, any
+    other warehouse others), ``fingerprint`` the find tables' contents (row counts and next row
+    ids: any insert or delete moves them, merging files does not), ``n_changes`` how many
+    snapshots after the index's changed a find table, or -1 when that cannot be told (the
+    snapshots in between were expired by `maintain`) and the fingerprint moved."""
+
+    latest: int
+    n_changes: int
+    identity: str
+    fingerprint: str
+
+
+def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = None) -> LakeState:
+    """The warehouse's latest snapshot, identity and fingerprint, and how many snapshots after
+    ``snapshot_id`` changed a table the index reads; read from the catalog's own tables, never
+    through DuckLake (whose extension costs a query a second to load)."""
+    names = ", ".join(_literal(t) for t in _FIND_TABLES)
     sql = {
-        "ids": f"SELECT table_id FROM {{c}}ducklake_table WHERE table_name IN ({', '.join(_literal(t) for t in _FIND_TABLES)})",
+        "ids": f"SELECT table_id FROM {{c}}ducklake_table WHERE table_name IN ({names})",
         "latest": "SELECT max(snapshot_id) FROM {c}ducklake_snapshot",
+        "kept": f"SELECT count(*) FROM {{c}}ducklake_snapshot WHERE snapshot_id >= {int(snapshot_id)}",
         "changes": f"SELECT changes_made FROM {{c}}ducklake_snapshot_changes WHERE snapshot_id > {int(snapshot_id)}",
+        # live rows: the live data files' rows less their live deletes (the table's stats
+        # count no delete); next row id: moved by every insert; neither by merging files
+        "tables": f"""SELECT t.table_name, CAST(t.table_uuid AS VARCHAR),
+                             coalesce((SELECT sum(d.record_count) FROM {{c}}ducklake_data_file AS d
+                                       WHERE d.table_id = t.table_id AND d.end_snapshot IS NULL), 0)
+                             - coalesce((SELECT sum(x.delete_count) FROM {{c}}ducklake_delete_file AS x
+                                         WHERE x.table_id = t.table_id AND x.end_snapshot IS NULL), 0),
+                             s.next_row_id
+                      FROM {{c}}ducklake_table AS t LEFT JOIN {{c}}ducklake_table_stats AS s USING (table_id)
+                      WHERE t.end_snapshot IS NULL AND t.table_name IN ({names}) ORDER BY t.table_name""",
     }
     if settings.catalog_kind == "sqlite":
         path = Path(settings.catalog_url.removeprefix("sqlite:"))
@@ -195,35 +263,111 @@ def lake_changes_since(settings: Settings, snapshot_id: int) -> tuple[int, int]:
         # has the catalog open (it has loaded the SQLite scanner): two SQLite libraries in one
         # process do not see each other's locks (see warehouse._catalog_state).
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as db:
-            ids = {tid for (tid,) in db.execute(sql["ids"].format(c="")).fetchall()}
-            (latest,) = db.execute(sql["latest"].format(c="")).fetchone()
-            rows = db.execute(sql["changes"].format(c="")).fetchall()
+            got = {k: db.execute(q.format(c="")).fetchall() for k, q in sql.items()}
     elif settings.catalog_kind == "sqlite":
         with duckdb.connect(config={"autoinstall_known_extensions": False, "allow_unsigned_extensions": True}) as db:
             warehouse_mod.load_extension(db, "sqlite_scanner")
             db.execute(f"ATTACH {_literal(str(path))} AS cat (TYPE sqlite, READ_ONLY)")
-            ids = {tid for (tid,) in db.execute(sql["ids"].format(c="cat.")).fetchall()}
-            (latest,) = db.execute(sql["latest"].format(c="cat.")).fetchone()
-            rows = db.execute(sql["changes"].format(c="cat.")).fetchall()
+            got = {k: db.execute(q.format(c="cat.")).fetchall() for k, q in sql.items()}
     else:
         with warehouse_mod.connect(settings, read_only=True) as lake:
             c = f"__ducklake_metadata_{warehouse_mod.CATALOG}."
-            ids = {tid for (tid,) in lake.execute(sql["ids"].format(c=c)).fetchall()}
-            (latest,) = lake.execute(sql["latest"].format(c=c)).fetchone()
-            rows = lake.execute(sql["changes"].format(c=c)).fetchall()
-    return int(latest or 0), sum(1 for (c,) in rows if _relevant(c, ids))
+            got = {k: lake.execute(q.format(c=c)).fetchall() for k, q in sql.items()}
+    ids = {int(tid) for (tid,) in got["ids"]}
+    latest = int(got["latest"][0][0] or 0)
+    tables = [(n, u, None if rc is None else int(rc), None if nr is None else int(nr)) for n, u, rc, nr in got["tables"]]
+    identity = hashlib.sha256(json.dumps([(n, u) for n, u, _, _ in tables]).encode()).hexdigest()[:24]
+    now = json.dumps(tables)
+    n_changes = sum(1 for (c,) in got["changes"] if _relevant(c, ids))
+    complete = latest >= snapshot_id and int(got["kept"][0][0]) == latest - snapshot_id + 1
+    if not complete and not n_changes:
+        # some of the change feed since the index's snapshot was expired: the fingerprint decides
+        n_changes = 0 if fingerprint == now else -1
+    return LakeState(latest, n_changes, identity, now)
+
+
+def lake_changes_since(settings: Settings, snapshot_id: int, fingerprint: str | None = None) -> tuple[int, int]:
+    """(the warehouse's latest snapshot, how many snapshots after ``snapshot_id`` changed a
+    table the index reads; -1: some did, how many cannot be told); see :func:`lake_state`."""
+    state = lake_state(settings, snapshot_id, fingerprint)
+    return state.latest, state.n_changes
+
+
+def _unwritable(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return True
+    return isinstance(exc, duckdb.Error) and ("Permission denied" in str(exc) or "Read-only file system" in str(exc))
+
+
+LOCK_TIMEOUT = 900.0  # seconds a builder waits for another's build before it gives up
 
 
 @contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
-    """One builder or refresher of an index at a time (readers never wait)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+def _build_lock(directory: Path, timeout: float | None = None) -> Iterator[None]:
+    """One builder or refresher of an index at a time (readers never wait). An advisory lock
+    on ``.lock``, which the system releases with its holder: a file left behind by a killed
+    builder holds nothing. A folder this user may not write is :class:`FindIndexUnwritable`."""
+    timeout = LOCK_TIMEOUT if timeout is None else timeout
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # opened without truncating (a leftover file's bytes do not matter); O_RDONLY suffices for flock
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if _unwritable(exc):
+            raise FindIndexUnwritable(f"the find index in {directory} cannot be built or refreshed: permission "
+                                      f"denied ({exc.strerror}); `featurehouse index` as a user who may write there, "
+                                      "or set FEATUREHOUSE_FIND_DIR to a folder you may write") from None
+        raise
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process has been building the find index in {directory} for "
+                                       f"over {timeout:.0f}s; try again later") from None
+                time.sleep(0.05)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _open_index(directory: Path, path: Path) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+    """The index opened read-only and its metadata, checked whole enough to answer from: any
+    file that is not (damaged, cut short, another release's) is :class:`FindIndexDamaged`."""
+    if not path.exists():
+        raise FindIndexMissing(f"no find index in {directory}: run `featurehouse index`")
+    try:
+        conn = _connect_index(path, read_only=True)
+    except duckdb.Error as exc:
+        raise FindIndexDamaged(f"the find index {path} cannot be read ({str(exc).splitlines()[0]})") from None
+    try:
+        try:
+            meta = _read_meta(conn)
+            if int(meta.get("version") or 0) != INDEX_VERSION:
+                raise FindIndexDamaged(f"the find index {path} was built by another release (version "
+                                       f"{meta.get('version')}, this one reads {INDEX_VERSION})")
+            n = int(meta["n_rows"])
+            int(meta["snapshot_id"])
+            for ext, width in (("f32", 4), ("f64", 8)):
+                m = directory / f"emb-{meta['generation']}.{ext}"
+                size = m.stat().st_size if m.exists() else -1
+                if size < n * EMBEDDING_DIM * width:
+                    raise FindIndexDamaged(f"the find index's embedding matrix {m} is "
+                                           f"{'missing' if size < 0 else 'cut short'}")
+            _counts(conn)
+            conn.execute("SELECT count(*) FROM fts_main_docs.stats").fetchone()
+        except (duckdb.Error, KeyError, ValueError) as exc:
+            raise FindIndexDamaged(f"the find index {path} is damaged ({str(exc).splitlines()[0]})") from None
+    except BaseException:
+        conn.close()
+        raise
+    return conn, meta
 
 
 # --- building -----------------------------------------------------------------------------------
@@ -272,6 +416,8 @@ def _lake_rows_sql(keys: str | None) -> dict[str, str]:
         "emb": f"""SELECT model_id, source_id, feature_index, explanation_id, embedding
                    FROM explanations {semi}
                    WHERE embedding IS NOT NULL AND len(embedding) = {EMBEDDING_DIM}
+                         -- one loaded before embedding_not_zero quarantined it: no direction
+                         AND list_bool_or(list_transform(embedding, x -> x <> 0))
                    ORDER BY model_id, source_id, feature_index, explanation_id""",
         "tokens": f"""SELECT model_id, source_id, feature_index, data_source, token, max_activation,
                              n_active, n_peak_excerpts
@@ -423,16 +569,15 @@ def _read_meta(idx: duckdb.DuckDBPyConnection) -> dict[str, str]:
 def build_index(where: Settings | str | os.PathLike) -> IndexInfo:
     """Build the find index from scratch from the warehouse's last snapshot, as a new
     generation, and put it in place atomically."""
-    settings = warehouse_mod.settings_for(where)
-    directory, path = _paths(settings)
-    with _build_lock(directory):
-        return _build(settings, directory, path)
+    return refresh_index(where, full=True)
 
 
 def _build(settings: Settings, directory: Path, path: Path) -> IndexInfo:
     t0 = time.monotonic()
     generation = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
     tmp = directory / f".index-{generation}.duckdb"
+    # before the snapshot: a commit in between makes it look older, never newer
+    state = lake_state(settings, 0)
     with warehouse_mod.connect(settings, read_only=True) as lake:
         lake.execute("BEGIN")  # one snapshot for every read
         snapshot = _snapshot(lake)
@@ -444,7 +589,7 @@ def _build(settings: Settings, directory: Path, path: Path) -> IndexInfo:
             _fts(idx)
             _meta(idx, version=INDEX_VERSION, snapshot_id=snapshot, generation=generation,
                   n_rows=emb_rows.num_rows, built_at=datetime.now(timezone.utc).isoformat(),
-                  catalog=settings.catalog_url)
+                  warehouse_id=state.identity, fingerprint=state.fingerprint)
             counts = _counts(idx)
         lake.execute("COMMIT")
     os.replace(tmp, path)
@@ -477,25 +622,63 @@ def refresh_index(where: Settings | str | os.PathLike, *, full: bool = False) ->
     The nightly and inbox DAGs call this after each load."""
     settings = warehouse_mod.settings_for(where)
     directory, path = _paths(settings)
-    with _build_lock(directory):
-        if full or not path.exists():
-            return _build(settings, directory, path)
-        t0 = time.monotonic()
-        with _connect_index(path, read_only=True) as idx:
-            meta = _read_meta(idx)
-        if int(meta.get("version", 0)) != INDEX_VERSION:
-            return _build(settings, directory, path)
-        since = int(meta["snapshot_id"])
-        latest, n_relevant = lake_changes_since(settings, since)
-        if not n_relevant:
-            with _connect_index(path, read_only=True) as idx:
-                counts = _counts(idx)
-            return IndexInfo(since, "current", *counts, n_changed_features=0, seconds=time.monotonic() - t0)
-        try:
-            return _refresh(settings, directory, path, meta, t0)
-        except _RebuildInstead as why:
-            log.info("find index: building anew (%s)", why)
-            return _build(settings, directory, path)
+    try:
+        with _build_lock(directory):
+            return _refresh_locked(settings, directory, path, full)
+    except FindIndexUnwritable:
+        # a folder this user may not write: an index that is current needs no writing
+        if not full and (info := _current(settings, directory, path)) is not None:
+            return info
+        raise
+    except (OSError, duckdb.Error) as exc:
+        if not _unwritable(exc):
+            raise
+        raise FindIndexUnwritable(f"the find index in {directory} cannot be built or refreshed: permission denied "
+                                  f"({str(exc).splitlines()[0]})") from None
+
+
+def _current(settings: Settings, directory: Path, path: Path) -> IndexInfo | None:
+    """The index as it is, when it is whole, this warehouse's and current; else None."""
+    t0 = time.monotonic()
+    try:
+        idx, meta = _open_index(directory, path)
+    except FindIndexMissing:
+        return None
+    with idx:
+        counts = _counts(idx)
+    since = int(meta["snapshot_id"])
+    state = lake_state(settings, since, meta.get("fingerprint"))
+    if state.identity != meta.get("warehouse_id") or state.n_changes:
+        return None
+    return IndexInfo(since, "current", *counts, n_changed_features=0, seconds=time.monotonic() - t0)
+
+
+def _refresh_locked(settings: Settings, directory: Path, path: Path, full: bool) -> IndexInfo:
+    if full or not path.exists():
+        return _build(settings, directory, path)
+    t0 = time.monotonic()
+    try:
+        idx, meta = _open_index(directory, path)
+    except FindIndexDamaged as why:
+        log.warning("find index: building anew (%s)", why)
+        return _build(settings, directory, path)
+    with idx:
+        counts = _counts(idx)
+    since = int(meta["snapshot_id"])
+    state = lake_state(settings, since, meta.get("fingerprint"))
+    if state.identity != meta.get("warehouse_id"):
+        log.warning("find index: building anew (%s was built from another warehouse)", path)
+        return _build(settings, directory, path)
+    if state.n_changes == 0:
+        return IndexInfo(since, "current", *counts, n_changed_features=0, seconds=time.monotonic() - t0)
+    if state.n_changes < 0:
+        log.info("find index: building anew (the history since snapshot %s was expired)", since)
+        return _build(settings, directory, path)
+    try:
+        return _refresh(settings, directory, path, meta, t0)
+    except _RebuildInstead as why:
+        log.info("find index: building anew (%s)", why)
+        return _build(settings, directory, path)
 
 
 class _RebuildInstead(Exception):
@@ -504,6 +687,7 @@ class _RebuildInstead(Exception):
 
 def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, str], t0: float) -> IndexInfo:
     since, generation, n_rows = int(meta["snapshot_id"]), meta["generation"], int(meta["n_rows"])
+    state = lake_state(settings, since)
     with warehouse_mod.connect(settings, read_only=True) as lake:
         lake.execute("BEGIN")
         snapshot = _snapshot(lake)
@@ -540,7 +724,7 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
                 _load_rows(idx, lake, queries, emb_rows)
                 idx.execute(_FTS_UPDATE)
                 _meta(idx, snapshot_id=snapshot, n_rows=n_rows + emb_rows.num_rows,
-                      refreshed_at=datetime.now(timezone.utc).isoformat())
+                      refreshed_at=datetime.now(timezone.utc).isoformat(), fingerprint=state.fingerprint)
                 counts = _counts(idx)
             os.replace(tmp, path)
         finally:
@@ -552,15 +736,14 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
 def index_info(where: Settings | str | os.PathLike) -> dict[str, Any]:
     """The find index's metadata and counts, and whether the warehouse changed since."""
     settings = warehouse_mod.settings_for(where)
-    _, path = _paths(settings)
-    if not path.exists():
-        raise FindIndexMissing(f"no find index in {path.parent}: run `featurehouse index`")
-    with _connect_index(path, read_only=True) as idx:
-        meta = _read_meta(idx)
+    directory, path = _paths(settings)
+    idx, meta = _open_index(directory, path)
+    with idx:
         counts = _counts(idx)
-    latest, n_relevant = lake_changes_since(settings, int(meta["snapshot_id"]))
+    state = lake_state(settings, int(meta["snapshot_id"]), meta.get("fingerprint"))
     return {**meta, "n_features": counts[0], "n_explanations": counts[1], "n_embeddings": counts[2],
-            "lake_snapshot_id": latest, "changes_since": n_relevant, "path": str(path)}
+            "lake_snapshot_id": state.latest, "changes_since": state.n_changes, "path": str(path),
+            "same_warehouse": state.identity == meta.get("warehouse_id")}
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -585,27 +768,45 @@ class Finder:
             raise ValueError("fresh is one of: warn, refresh, error")
         self.settings = warehouse_mod.settings_for(where)
         self.directory, self.path = _paths(self.settings)
+        unwritable: FindIndexUnwritable | None = None
         if fresh == "refresh":
-            refresh_index(self.settings)
+            try:
+                refresh_index(self.settings)
+            except FindIndexUnwritable as exc:  # answered from the index as it is, if current
+                unwritable = exc
         if not self.path.exists():
             if not warehouse_mod.exists(self.settings):
                 raise warehouse_mod.WarehouseMissing(
                     f"no warehouse at {self.settings.warehouse}: run `featurehouse ingest` first")
+            if unwritable is not None:
+                raise unwritable
             raise FindIndexMissing(
                 f"no find index for the warehouse at {self.settings.warehouse}: build it with "
                 "`featurehouse index` (ingest refreshes it from then on)")
-        self.conn = _connect_index(self.path, read_only=True)
-        self.meta = _read_meta(self.conn)
-        self.snapshot_id = int(self.meta["snapshot_id"])
-        self.note: str | None = None
-        latest, n_relevant = lake_changes_since(self.settings, self.snapshot_id)
-        if n_relevant:
-            self.note = (f"the find index was built from snapshot {self.snapshot_id} and the warehouse has "
-                         f"changed since ({n_relevant} commit(s) up to snapshot {latest}): the answer may "
-                         "be out of date; run `featurehouse index` (or pass --refresh)")
-            if fresh == "error":
-                raise FindIndexStale(self.note)
+        self.conn, self.meta = _open_index(self.directory, self.path)
         self._matrix: tuple | None = None
+        try:
+            self.snapshot_id = int(self.meta["snapshot_id"])
+            self.note: str | None = None
+            state = lake_state(self.settings, self.snapshot_id, self.meta.get("fingerprint"))
+            if state.identity != self.meta.get("warehouse_id"):
+                raise FindIndexForeign(
+                    f"the find index in {self.directory} was built from another warehouse than the one at "
+                    f"{self.settings.warehouse} (a shared FEATUREHOUSE_FIND_DIR?): `featurehouse index` builds "
+                    "it for this one")
+            if state.n_changes:
+                what = (f"{state.n_changes} commit(s) up to snapshot {state.latest}" if state.n_changes > 0 else
+                        f"up to snapshot {state.latest}; the history in between was expired")
+                self.note = (f"the find index was built from snapshot {self.snapshot_id} and the warehouse has "
+                             f"changed since ({what}): the answer may be out of date; run `featurehouse index` "
+                             "(or pass --refresh)")
+                if unwritable is not None:
+                    raise FindIndexUnwritable(f"{unwritable}; {self.note}")
+                if fresh == "error":
+                    raise FindIndexStale(self.note)
+        except BaseException:
+            self.conn.close()
+            raise
 
     def close(self) -> None:
         self.conn.close()
@@ -623,6 +824,9 @@ class Finder:
                limit: int = 10) -> Found:
         """Explanations whose description matches ``query`` (BM25 over Porter-stemmed words;
         a "quoted phrase" must also appear as written, case aside), best first."""
+        limit = _check_limit(limit)
+        if not isinstance(query, str) or not query.replace('"', " ").strip():
+            raise ValueError("the search query is empty: give one or more words, or a \"quoted phrase\"")
         phrases = [p.strip() for p in re.findall(r'"([^"]*)"', query) if p.strip()]
         words = query.replace('"', " ")
         where, params = self._narrow(model, source)
@@ -710,6 +914,7 @@ class Finder:
         positive logits. Each row says which ``basis`` it used."""
         import numpy as np
 
+        limit = _check_limit(limit)
         fid = self._fid(key)
         m32, m64, rows, fids, n_fids = self._matrices()
         mine = rows[fids == fid]
@@ -799,6 +1004,7 @@ class Finder:
         """The features whose stored excerpts activate most on ``token``: ranked by their highest
         activation on it, with how many excerpts peak on it. ``ignore_case`` folds case;
         ``strip`` ignores a leading space, ``▁`` or ``Ġ`` (on both sides)."""
+        limit = _check_limit(limit)
         column = "token" + ("_lower" if ignore_case else "") + ("_strip" if strip else "")
         wanted = token.lstrip(_LEADING) if strip else token
         wanted = wanted.lower() if ignore_case else wanted
@@ -899,15 +1105,32 @@ def show(where: Settings | str | os.PathLike, key: str, *, n_excerpts: int = 5, 
     view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts)
     try:
         with Finder(settings) as finder:
-            view.neighbours = finder.similar(view.key, limit=n_neighbours)
+            view.neighbours = (finder.similar(view.key, limit=n_neighbours) if n_neighbours else
+                               Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
+                                     [], finder.note))
             view.note = finder.note
     except (FindIndexMissing, NoSuchFeature) as exc:
         view.note = str(exc)
     return view
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: control characters (an escape sequence in a
+    description or a token would move the cursor, recolour, retitle the window) and the
+    bidirectional overrides written as ``\\xHH``/``\\uHHHH``; tabs and newlines are left to the caller."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
+
+
 def render_text(view: FeatureView) -> str:
-    """``show``'s answer as plain text: the peak token of each excerpt in [[ ]]."""
+    """``show``'s answer as plain text: the peak token of each excerpt in [[ ]]; every text
+    from the warehouse made :func:`printable`."""
+    return printable(_render_text(view))
+
+
+def _render_text(view: FeatureView) -> str:
     out = [f"feature {view.key}"]
     f = view.feature or {}
     if f:
