@@ -218,6 +218,8 @@ BAD_EMBEDDINGS = [
     ("255 values", [0.5] * 255, "embedding_dimension"),
     ("257 values, as a string", json.dumps([0.5] * 257), "embedding_dimension"),
     ("nested lists", [[0.5]] * 256, "embedding_is_numbers"),
+    ("all zeros (no direction: cosine undefined)", [0.0] * 256, "embedding_not_zero"),
+    ("all zeros, as a string", json.dumps([0] * 256), "embedding_not_zero"),
 ]
 
 
@@ -259,3 +261,4 @@ def test_a_version_4_warehouse_upgrades(tmp_path):
     assert query(settings.warehouse, "SELECT token, max_activation, n_peak_excerpts FROM feature_token_stats "
                                      "ORDER BY token") == [("t0_1", 1.5, 0), ("t0_2", 3.25, 1), ("t1_0", 2.0, 1),
                                                            ("t2_1", 0.5, 1)]
+

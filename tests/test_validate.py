@@ -119,6 +119,7 @@ CASES: dict[str, tuple[bytes, set[str]]] = {
         embedding=[0.25] * 255 + [None])), set()),
     "embedding_dimension": (_page(306, lambda p: p["explanations"][0].update(
         embedding=json.dumps([0.5] * 10))), set()),
+    "embedding_not_zero": (_page(307, lambda p: p["explanations"][0].update(embedding=[0.0] * 256)), set()),
 }
 
 _EMBEDDING = [round(0.001 * i - 0.1, 9) for i in range(256)]
