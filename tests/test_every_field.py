@@ -262,3 +262,25 @@ def test_a_version_4_warehouse_upgrades(tmp_path):
                                      "ORDER BY token") == [("t0_1", 1.5, 0), ("t0_2", 3.25, 1), ("t1_0", 2.0, 1),
                                                            ("t2_1", 0.5, 1)]
 
+
+
+@pytest.mark.parametrize("where", ["embedding", "umap_x"])
+def test_nan_on_the_first_line_of_an_export_is_that_lines_fault_only(tmp_path, where):
+    """A NaN (not JSON) on the first line of a gzip explanations export refused the whole file
+    (its kind is judged by its first line); it is now what the same line is anywhere else in
+    the file: that record's fault, and the other lines load."""
+    row = dict(EXPLANATION_ROWS[1], id="exp-nan", index="40", embedding=[0.5] * 256)
+    row[where] = ["@NAN@"] + [0.5] * 255 if where == "embedding" else "@NAN@"
+    nan = orjson.dumps(row).replace(b'"@NAN@"', b"NaN")
+    rows = [orjson.dumps(r) for r in EXPLANATION_ROWS]
+    outcome = {}
+    for name, lines in (("first", [nan, *rows]), ("second", [rows[0], nan, *rows[1:]])):
+        path = write(tmp_path / name / "explanations.jsonl.gz", gzip.compress(b"\n".join(lines) + b"\n"))
+        settings = Settings(warehouse=tmp_path / name / "wh")
+        summary = run_ingest([path], settings)
+        assert summary.n_rejected == 0, summary.rejected
+        outcome[name] = (summary.n_quarantined, sorted(query(settings.warehouse, "SELECT explanation_id FROM explanations")))
+        assert {r["id"] for r in EXPLANATION_ROWS} <= {i for (i,) in outcome[name][1]}
+    assert outcome["first"] == outcome["second"]
+    if where == "embedding":  # not 256 finite numbers
+        assert outcome["first"][0] == 1 and ("exp-nan",) not in outcome["first"][1]

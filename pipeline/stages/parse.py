@@ -51,6 +51,7 @@ from .records import (
 __all__ = [
     "PAGE_KEY_BYTES", "Rejected", "json_text", "parse_bytes", "check_page", "json_view", "gunzip_limited", "gunzip_measure",
     "first_line",
+    "first_lines",
 ]
 
 
@@ -178,13 +179,23 @@ def _measure(module: Any, path: Path | IO[bytes], limit: int, produced: list[int
 
 def first_line(data: bytes, limit: int = 1 << 20) -> bytes | None:
     """The first line of gzip ``data`` (decompressing at most ``limit`` bytes), or None."""
+    lines = first_lines(data, limit)
+    return lines[0] if lines else None
+
+
+def first_lines(data: bytes, limit: int = 1 << 20) -> list[bytes]:
+    """The whole lines at the start of gzip ``data`` (decompressing at most ``limit`` bytes)."""
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
         head = d.decompress(data, limit)
     except zlib.error:
-        return None
-    nl = head.find(b"\n")
-    return head[:nl] if nl >= 0 else (head if d.eof else None)
+        return []
+    lines = head.split(b"\n")
+    if not d.eof:
+        lines.pop()  # cut at the limit
+    elif not lines[-1]:
+        lines.pop()
+    return lines
 
 
 def _utf8(data: bytes, what: str) -> str:
