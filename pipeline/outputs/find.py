@@ -310,8 +310,13 @@ def _build_lock(directory: Path, timeout: float | None = None) -> Iterator[None]
     timeout = LOCK_TIMEOUT if timeout is None else timeout
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        # opened without truncating (a leftover file's bytes do not matter); O_RDONLY suffices for flock
-        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # opened without truncating (a leftover file's bytes do not matter)
+        try:
+            fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:
+            # a lock file another user left: flock needs only a descriptor, not write access;
+            # whether the folder may be written the build itself finds out
+            fd = os.open(directory / ".lock", os.O_RDONLY)
     except OSError as exc:
         if _unwritable(exc):
             raise FindIndexUnwritable(f"the find index in {directory} cannot be built or refreshed: permission "
