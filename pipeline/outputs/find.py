@@ -36,8 +36,8 @@ import contextlib
 import errno
 import fcntl
 import hashlib
-import json
 import html
+import json
 import logging
 import math
 import os
