@@ -21,6 +21,7 @@ setup: $(BIN)/.installed ## Create .venv and install featurehouse with its test 
 
 run: setup ## Ingest the bundled sample pages into $(WAREHOUSE), print the summary and the report's path
 	$(BIN)/featurehouse ingest $(SAMPLES) --warehouse $(WAREHOUSE)
+	$(BIN)/featurehouse index --warehouse $(WAREHOUSE)
 	$(BIN)/featurehouse status --warehouse $(WAREHOUSE) -n 3
 	@echo "report: $$($(BIN)/featurehouse sql "SELECT report_path FROM runs ORDER BY started_at DESC LIMIT 1" --warehouse $(WAREHOUSE) --format csv | tail -n 1)"
 
@@ -35,8 +36,12 @@ test: setup ## Run the whole test suite in $(JOBS) processes (fails if no test i
 lint: setup ## Lint and check formatting with ruff
 	$(BIN)/ruff check pipeline dags tests bench
 
-bench: setup ## Benchmark ingest against DuckDB read_json: full (N=250, 1000), re-run, one new page, 1 GiB export batch
+bench: setup ## Benchmark ingest against DuckDB read_json (full N=250/1000, re-run, one new page, 1 GiB export batch), then finding features
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
+	$(BIN)/python bench/find_bench.py $(FIND_BENCH_ARGS)
+
+bench-find: setup ## Benchmark search, similar and by-token on one generated 262,144-feature source (CLI and Python), index build and refresh
+	$(BIN)/python bench/find_bench.py $(FIND_BENCH_ARGS)
 
 up: ## Start Airflow with docker compose, as .env records it (one machine unless `make up-scale` chose scale-out; DEPLOYMENT=single goes back); writes .env's secrets once
 	@PYTHON=$(PYTHON) bash deploy/dotenv.sh secrets
@@ -62,4 +67,4 @@ down: ## Stop the docker compose deployment (volumes, and so the warehouse, are 
 clean: ## Remove the virtualenv, the local warehouse and test output
 	rm -rf $(VENV) warehouse reports test-output bench/out
 
-.PHONY: help setup run test lint bench clean up up-scale down
+.PHONY: help setup run test lint bench bench-find clean up up-scale down

@@ -90,7 +90,16 @@ def featurehouse_inbox():
                                        "(see `featurehouse status` and the run's report)")
         return result
 
-    drain()
+    @task
+    def find_index() -> dict:
+        from pipeline.config import Settings
+        from pipeline.outputs.find import refresh_index
+        from pipeline.sources.plan import load_inbox_plan
+
+        with _not_transient():
+            return refresh_index(Settings.from_env(warehouse=load_inbox_plan().warehouse)).as_dict()
+
+    drain() >> find_index()
 
 
 featurehouse_inbox()

@@ -259,6 +259,14 @@ def featurehouse_nightly():
             return refresh_run(_warehouse(context), run_id_for(_key(context), DAG_ID)).as_dict()
 
     @task
+    def find_index(**context) -> dict:
+        from pipeline.outputs.find import refresh_index
+        from pipeline.sources.plan import settings_of
+
+        with _not_transient():  # after the load's snapshots, before maintain may expire them
+            return refresh_index(settings_of({"warehouse": _warehouse(context)})).as_dict()
+
+    @task
     def report(**context) -> dict:
         from pipeline.outputs.report import report_run
         from pipeline.sources.plan import run_id_for
@@ -284,7 +292,7 @@ def featurehouse_nightly():
     fetched = fetch.expand(chunk=chunks)
     todo = units(chunks)
     fetched >> todo
-    reported = ingest.expand(unit=todo) >> finish() >> materialise() >> report() >> maintain()
+    reported = ingest.expand(unit=todo) >> finish() >> materialise() >> find_index() >> report() >> maintain()
     [fetched, reported] >> all_fetched()
 
 

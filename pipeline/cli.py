@@ -19,12 +19,12 @@ import duckdb
 import orjson
 
 from .config import Settings
-from .ingest import RunSummary, ingest
 from .lake import warehouse as warehouse_mod
 from .lake.landing import LandingFailed, disk_full
 from .names import BadRunId, check_run_id
-from .stages import materialise
-from .stages.receive import InputNotFound
+
+# The ingest stages (Great Expectations, pandas) are imported by the commands that use them,
+# so that the commands that only read (`search`, `similar`, `by-token`, `show`) start quickly.
 
 warehouse_option = click.option(
     "--warehouse",
@@ -139,7 +139,7 @@ def cli(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
-def print_summary(s: RunSummary) -> None:
+def print_summary(s) -> None:
     """Print a run's summary for a person."""
     click.echo(f"run {s.run_id}: {s.status} in {s.seconds:.1f}s -> {s.warehouse}")
     # two ways every received input is counted once: by where its bytes were, by what became of it
@@ -224,7 +224,9 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
       2  a usage error (a path that does not exist, a bad --run-id)
       4  --strict and the run's verdict is FAIL
     """
+    from .ingest import ingest
     from .outputs.report import verdict
+    from .stages.receive import InputNotFound
 
     # A SIGTERM (a timeout, Airflow stopping a task, `kill`) ends the run as failed, recorded,
     # instead of leaving it `running` until a later run finds its process gone.
@@ -259,6 +261,7 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     else:
         print_summary(summary)
         click.echo(f"  verdict  {judged.level}: {judged.reason}")
+    _refresh_find(settings)
     if strict and judged.level == "FAIL":
         sys.exit(EXIT_VERDICT_FAIL)
 
@@ -384,6 +387,8 @@ def report_cmd(warehouse, run_id, out_dir) -> None:
 @click.option("--run-id", default=None, help="Refresh only the features this run changed (default: all).")
 def materialise_cmd(warehouse, run_id) -> None:
     """Rebuild the activation statistics tables."""
+    from .stages import materialise
+
     settings = Settings.from_env(warehouse=warehouse)
     with _open(settings) as conn:
         r = materialise.refresh(conn, settings, run_id)
@@ -481,8 +486,16 @@ def upgrade_cmd(warehouse) -> None:
     with _open(settings, migrate=False) as conn:
         before = warehouse_mod.schema_version(conn)
         applied = warehouse_mod.apply_migrations(conn, settings)
+        if 5 in applied:  # feature_token_stats is new: filled for the features loaded before
+            from .stages import materialise
+
+            filled = materialise.refresh(conn, settings)
     after = before + len(applied)
     click.echo(f"schema version {before} -> {after}" if applied else f"schema version {before}: up to date")
+    if 5 in applied:
+        click.echo(f"feature_token_stats filled for {filled.n_features} features (featurehouse by-token); "
+                   "explanation embeddings and extra fields of rows loaded before: ingest their inputs "
+                   "again with --reprocess")
 
 
 @cli.command("migrate")
@@ -502,6 +515,204 @@ def migrate_cmd(old, warehouse) -> None:
     except (LegacyMigrationError, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"migrated {old} -> {settings.warehouse}: " + ", ".join(f"{n} {t}" for t, n in counts.items() if n))
+
+
+# --- find features (pipeline.outputs.find): kept free of the ingest stages' imports -------------
+
+
+def _refresh_find(settings: Settings) -> None:
+    """After a load: refresh the find index, if this warehouse has one (on stderr; a failure
+    is reported, the load stands)."""
+    from .outputs import find
+
+    if not (settings.find_index_dir / "index.duckdb").exists():
+        return
+    try:
+        info = find.refresh_index(settings)
+    except Exception as exc:  # the index is derived: the next query says it is stale
+        click.echo(f"  find     the find index could not be refreshed ({exc}); run `featurehouse index`", err=True)
+        return
+    click.echo(f"  find     index {info.mode} at snapshot {info.snapshot_id} in {info.seconds:.2f}s "
+               f"({info.n_changed_features} features read)", err=True)
+
+
+def _print_found(found, fmt: str, widths: dict[str, int] | None = None, empty: str = "(no match)") -> None:
+    """A find answer on stdout: a plain table (no Arrow to import), CSV or JSON; its note
+    (the index is older than the warehouse) on stderr."""
+    if fmt in ("csv", "json"):
+        if fmt == "json":
+            _print_json(found.as_dicts())
+        else:
+            w = csv.writer(sys.stdout, lineterminator="\n")
+            w.writerow(found.columns)
+            w.writerows([_csv_cell(v) for v in r] for r in found.rows)
+    else:
+        from .outputs.find import printable
+
+        widths = widths or {}
+
+        def cell(col: str, v) -> str:
+            text = (", ".join(repr(x) if isinstance(x, str) else str(x) for x in v) if isinstance(v, (list, tuple)) else
+                    f"{v:.4f}" if isinstance(v, float) else "" if v is None else str(v))
+            text = printable(" ".join(text.split()))  # newlines and runs of spaces in descriptions; escapes
+            limit = widths.get(col, 60)
+            return text if len(text) <= limit else text[: limit - 1] + "…"
+
+        cells = [[cell(c, v) for c, v in zip(found.columns, r)] for r in found.rows]
+        sizes = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(found.columns)]
+        click.echo("  ".join(c.ljust(n) for c, n in zip(found.columns, sizes)).rstrip())
+        for r in cells:
+            click.echo("  ".join(v.ljust(n) for v, n in zip(r, sizes)).rstrip())
+        if not found.rows:
+            click.echo(empty)
+    if found.note:
+        click.echo(f"note: {found.note}", err=True)
+
+
+def _finder(warehouse, refresh: bool):
+    """The find index opened for a query; built first when there is none yet."""
+    from .outputs import find
+
+    settings = Settings.from_env(warehouse=warehouse)
+    try:
+        try:
+            return find.Finder(settings, fresh="refresh" if refresh else "warn")
+        except find.FindIndexMissing as exc:
+            why = "first use" if type(exc) is find.FindIndexMissing else str(exc)
+            click.echo(f"building the find index in {settings.find_index_dir} ({why}) ...", err=True)
+            # a refresh, not a build: another process may have built it meanwhile
+            find.refresh_index(settings)
+            return find.Finder(settings)
+    except (find.FindIndexUnwritable, find.FindIndexMissing, *_USER_ERRORS) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _find_options(f):
+    options = [
+        warehouse_option,
+        click.option("--model", default=None, help="Only features of this model."),
+        click.option("--source", default=None, help="Only features of this source (SAE), e.g. 11-resid-post-aa."),
+        click.option("-n", "--limit", default=10, show_default=True, type=click.IntRange(1, 10_000),
+                     help="How many rows."),
+        format_option,
+        click.option("--refresh", is_flag=True,
+                     help="Bring the find index up to the warehouse's last snapshot first."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _feature_key(value: str) -> str:
+    from .outputs.find import parse_key
+
+    try:
+        parse_key(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="MODEL/SOURCE/INDEX") from None
+    return value
+
+
+@cli.command("search")
+@click.argument("query")
+@_find_options
+def search_cmd(query, warehouse, model, source, limit, fmt, refresh) -> None:
+    """Features whose explanations match QUERY: BM25 full-text search over the descriptions
+    (words are stemmed: "jokes" finds "joke"); a "quoted phrase" must appear as written.
+
+    \b
+    Example: featurehouse search '"programming language" syntax' --source 11-resid-post-aa
+    """
+    if not query.replace('"', " ").strip():
+        raise click.UsageError("the search query is empty: give one or more words, or a \"quoted phrase\"")
+    with _finder(warehouse, refresh) as finder:
+        _print_found(finder.search(query, model=model, source=source, limit=limit), fmt)
+
+
+@cli.command("similar")
+@click.argument("feature", metavar="MODEL/SOURCE/INDEX", callback=lambda ctx, param, value: _feature_key(value))
+@_find_options
+def similar_cmd(feature, warehouse, model, source, limit, fmt, refresh) -> None:
+    """The features nearest to FEATURE, across sources and models unless --model/--source
+    narrow them: by cosine similarity of their explanations' embeddings (exact), or, for a
+    feature without one, by the overlap of its top activating tokens and top positive logits.
+    The basis column says which."""
+    from .outputs.find import NoSuchFeature
+
+    with _finder(warehouse, refresh) as finder:
+        try:
+            found = finder.similar(feature, model=model, source=source, limit=limit)
+        except NoSuchFeature as exc:
+            raise click.ClickException(str(exc)) from None
+        (n,) = finder.conn.execute("SELECT count(*) FROM features").fetchone()
+        _print_found(found, fmt, empty=f"(no other feature to compare it with: the find index holds {n} feature(s); "
+                                       "none other has an embedding or shares a top token or logit with it)")
+
+
+@cli.command("by-token")
+@click.argument("token")
+@_find_options
+@click.option("--ignore-case", is_flag=True, help="Match the token whatever its case.")
+@click.option("--strip", is_flag=True, help="Ignore a leading space, ▁ or Ġ (tokenizers' word-start marks).")
+@click.option("--data-source", default=None, help="Only excerpts of this data source (NULL: those without one).")
+def by_token_cmd(token, warehouse, model, source, limit, fmt, refresh, ignore_case, strip, data_source) -> None:
+    """The features whose stored excerpts activate most on TOKEN, by their highest activation on
+    it, with how many excerpts peak on it (from every active token of every excerpt, not only
+    the top ten).
+
+    \b
+    Example: featurehouse by-token CPU --strip --ignore-case
+    """
+    with _finder(warehouse, refresh) as finder:
+        _print_found(finder.by_token(token, ignore_case=ignore_case, strip=strip, model=model, source=source,
+                                     data_source=data_source, limit=limit), fmt, {"description": 50})
+
+
+@cli.command("show")
+@click.argument("feature", metavar="MODEL/SOURCE/INDEX", callback=lambda ctx, param, value: _feature_key(value))
+@warehouse_option
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the feature as a self-contained HTML page, tokens shaded by activation.")
+@click.option("--excerpts", default=5, show_default=True, type=click.IntRange(0, 200), help="Top excerpts shown.")
+@click.option("--neighbours", default=5, show_default=True, type=click.IntRange(0, 100), help="Nearest features shown.")
+def show_cmd(feature, warehouse, html_path, excerpts, neighbours) -> None:
+    """One feature as a person reads it: statistics per data source, explanations, top excerpts
+    (the peak token in [[ ]]) and nearest features."""
+    from .outputs import find
+
+    settings = Settings.from_env(warehouse=warehouse)
+    try:
+        view = find.show(settings, feature, n_excerpts=excerpts, n_neighbours=neighbours)
+    except (find.NoSuchFeature, *_USER_ERRORS) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(find.render_text(view))
+    if html_path is not None:
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        html_path.write_text(find.render_html(view), encoding="utf-8")
+        click.echo(f"html {html_path}")
+
+
+@cli.command("index")
+@warehouse_option
+@click.option("--full", is_flag=True, help="Build from scratch instead of refreshing what changed.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def index_cmd(warehouse, full, fmt) -> None:
+    """Build or refresh the find index (the derived file search, similar, by-token and show
+    read) from the warehouse's last snapshot. Ingest refreshes it once it exists."""
+    from .outputs import find
+
+    settings = Settings.from_env(warehouse=warehouse)
+    try:
+        info = find.refresh_index(settings, full=full)
+    except (find.FindIndexUnwritable, *_USER_ERRORS) as exc:
+        raise click.ClickException(str(exc)) from None
+    if fmt == "json":
+        _print_json(info.as_dict())
+    else:
+        click.echo(f"find index {info.mode} at snapshot {info.snapshot_id} in {info.seconds:.2f}s: "
+                   f"{info.n_features} features, {info.n_explanations} explanations, "
+                   f"{info.n_embeddings} embeddings ({info.n_changed_features} features read) "
+                   f"-> {settings.find_index_dir}")
 
 
 @cli.command("shell")
@@ -588,6 +799,7 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
         sys.exit(130)
     summary = ingest_fetched(window, settings, trigger="fetch", progress=False if no_progress else None)
     print_summary(summary)
+    _refresh_find(settings)
     r = result
     click.echo(
         f"  fetch    window {r.window}: requested {r.n_requested}, landed {r.n_landed}, "

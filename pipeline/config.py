@@ -98,6 +98,11 @@ class Settings:
     s3_region: str = "us-east-1"
     """The S3 region; `$AWS_REGION`, else `$AWS_DEFAULT_REGION`."""
 
+    find_dir: Path | None = None
+    """Where the find index lives (the derived DuckDB file `featurehouse search`, `similar`,
+    `by-token` and `show` read, rebuilt from the warehouse at will): always on this machine's
+    disk; `$FEATUREHOUSE_FIND_DIR`, else `find/` in the warehouse folder."""
+
     @property
     def catalog_url(self) -> str:
         """The catalog as DuckLake names it after ``ducklake:`` (``sqlite:...`` or ``postgres:...``)."""
@@ -134,6 +139,10 @@ class Settings:
         return url.rstrip("/") if url.startswith("s3://") else Path(url)
 
     @property
+    def find_index_dir(self) -> Path:
+        return self.find_dir if self.find_dir is not None else self.warehouse / "find"
+
+    @property
     def report_dir(self) -> Path:
         return self.reports_dir if self.reports_dir is not None else self.warehouse / "reports"
 
@@ -168,6 +177,7 @@ class Settings:
             s3_endpoint=_env_str("FEATUREHOUSE_S3_ENDPOINT") or _env_str("AWS_ENDPOINT_URL_S3")
             or _env_str("AWS_ENDPOINT_URL"),
             s3_region=_env_str("AWS_REGION") or _env_str("AWS_DEFAULT_REGION") or cls.s3_region,
+            find_dir=Path(find) if (find := _env_str("FEATUREHOUSE_FIND_DIR")) else None,
         )
         known = {f.name for f in fields(cls)}
         clean = {k: v for k, v in overrides.items() if v is not None and k in known}

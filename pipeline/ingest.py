@@ -51,7 +51,7 @@ from .stages.load import (
     settle_again,
     upsert_reference,
 )
-from .stages.parse import PAGE_KEY_BYTES, Rejected, first_line, gunzip_measure, parse_bytes
+from .stages.parse import PAGE_KEY_BYTES, Rejected, first_lines, gunzip_measure, parse_bytes
 from .stages.receive import Input, iter_inputs
 from .stages.records import ParsedInput
 
@@ -133,8 +133,22 @@ def _export_table(data: bytes) -> str | None:
     loads: DuckDB reads these as a stream, so a batch far larger than memory still loads."""
     if not data.startswith(b"\x1f\x8b"):
         return None
-    line = first_line(data)
-    return stage.export_table(line) if line else None
+    # Judged by its first line that is JSON: a first line that is an object's braces around
+    # something that is not JSON (a NaN, a cut) is a bad line of the batch, quarantined on
+    # DuckDB's road like any other, not a reason to refuse the file whole.
+    for line in first_lines(data)[:_EXPORT_SNIFF_LINES]:
+        line = line.strip()
+        try:
+            orjson.loads(line)
+        except orjson.JSONDecodeError:
+            if line.startswith(b"{") and line.endswith(b"}"):
+                continue
+            return None
+        return stage.export_table(line)
+    return None
+
+
+_EXPORT_SNIFF_LINES = 100
 
 
 _DATA_TABLES = tuple(validate.SUITES)

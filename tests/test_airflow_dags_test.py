@@ -150,8 +150,8 @@ def test_nightly_against_a_closed_port_fails_its_fetch_but_ingests_and_reports(h
     by_task = {s["task_id"]: s["state"] for s in states}
     # the chunk's ingest part finds nothing landed; finish records the failures
     assert by_task == {"plan": "success", "fetch": "failed", "units": "success", "ingest": "success",
-                       "finish": "success", "materialise": "success", "report": "success",
-                       "maintain": "success", "all_fetched": "upstream_failed"}
+                       "finish": "success", "materialise": "success", "find_index": "success",
+                       "report": "success", "maintain": "success", "all_fetched": "upstream_failed"}
     assert log.count("3 of 3 URL(s) failed") >= 2, "the fetch task was not retried"
     assert run["state"] == "failed"
 

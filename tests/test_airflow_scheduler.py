@@ -117,7 +117,7 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
             assert writers == {"plan": "default_pool", "units": "default_pool", "ingest": "warehouse_writer",
                                "finish": "warehouse_writer", "materialise": "warehouse_writer",
                                "report": "default_pool", "maintain": "warehouse_writer",
-                               "all_fetched": "default_pool"}
+                               "all_fetched": "default_pool", "find_index": "default_pool"}
             # and the mapped ingest, one part per fetch chunk
             assert len([t for t in tis["task_instances"] if t["task_id"] == "ingest"]) == 4
         finally:

@@ -100,14 +100,15 @@ def test_writing_tasks_use_the_writer_pool_and_nothing_else_does(bag, dag_id):
 def test_nightly_shape(bag):
     dag = bag["dags"]["featurehouse_nightly"]
     t = dag["tasks"]
-    assert dag["sorted"] == ["plan", "fetch", "units", "ingest", "finish", "materialise", "report", "maintain",
-                             "all_fetched"]
+    assert dag["sorted"] == ["plan", "fetch", "units", "ingest", "finish", "materialise", "find_index", "report",
+                             "maintain", "all_fetched"]
     assert t["fetch"]["pool"] == "neuronpedia_api" and t["fetch"]["mapped"] and not t["plan"]["mapped"]
     # the ingest is mapped over the units of what landed: parts of one run, loading at once
     assert t["fetch"]["upstream"] == ["plan"] and t["units"]["upstream"] == ["fetch", "plan"]
     assert t["ingest"]["upstream"] == ["units"] and t["ingest"]["mapped"]
     assert t["finish"]["upstream"] == ["ingest"] and t["materialise"]["upstream"] == ["finish"]
-    assert t["report"]["upstream"] == ["materialise"]
+    # the find index is refreshed from the load's change feed before maintain may expire it
+    assert t["find_index"]["upstream"] == ["materialise"] and t["report"]["upstream"] == ["find_index"]
     assert t["maintain"]["upstream"] == ["report"]
     # the last task waits for every fetch chunk: a failed chunk fails the run, after the report
     assert t["all_fetched"]["upstream"] == ["fetch", "maintain"] and t["all_fetched"]["pool"] == "default_pool"
@@ -132,7 +133,8 @@ def test_dag_files_import_nothing_heavy(tmp_path):
 
 def test_inbox_shape(bag):
     dag = bag["dags"]["featurehouse_inbox"]
-    assert list(dag["tasks"]) == ["drain"]
+    assert list(dag["tasks"]) == ["drain", "find_index"]
+    assert dag["tasks"]["find_index"]["upstream"] == ["drain"]
     assert dag["summary"] == "*/10 * * * *"
 
 

@@ -114,9 +114,17 @@ CASES: dict[str, tuple[bytes, set[str]]] = {
         _jsonl({"id": "exp-no-index", "modelId": "m", "layer": "validate-src", "index": None, "description": "x"},
                _MODEL_ROW), set()),
     "description_not_empty": (_page(304, lambda p: p["explanations"][0].update(description="  ")), set()),
+    # an embedding: 256 finite numbers, as a JSON list or a string holding one
+    "embedding_is_numbers": (_page(305, lambda p: p["explanations"][0].update(
+        embedding=[0.25] * 255 + [None])), set()),
+    "embedding_dimension": (_page(306, lambda p: p["explanations"][0].update(
+        embedding=json.dumps([0.5] * 10))), set()),
+    "embedding_not_zero": (_page(307, lambda p: p["explanations"][0].update(embedding=[0.0] * 256)), set()),
 }
 
-GOOD = [_page(900), _page(901), _jsonl(*[json.loads(to_api_json(good_page(902, source="validate-src")))["activations"][i]
+_EMBEDDING = [round(0.001 * i - 0.1, 9) for i in range(256)]
+GOOD = [_page(900, lambda p: p["explanations"][0].update(embedding=_EMBEDDING)),
+        _page(901, lambda p: p["explanations"][0].update(embedding=json.dumps(_EMBEDDING))), _jsonl(*[json.loads(to_api_json(good_page(902, source="validate-src")))["activations"][i]
                                          for i in range(3)])]
 
 

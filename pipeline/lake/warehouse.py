@@ -53,7 +53,7 @@ __all__ = [
     "connect", "transaction", "write_lock", "schema_version", "migrations", "latest_version",
     "attach_sql", "extension_path", "settings_for", "sandbox", "apply_migrations", "is_conflict", "CommitStats",
     "RefusedQuery", "READ_ONLY_HELP", "check_read_only", "open_for_queries", "confine_process", "data_path",
-    "resolved_data_path",
+    "resolved_data_path", "load_extension", "extension_loaded", "exists",
 ]
 
 log = logging.getLogger("featurehouse")
@@ -101,6 +101,9 @@ _WHEELS = {
     "postgres_scanner": "duckdb_extension_postgres_scanner",
     "httpfs": "duckdb_extension_httpfs",
     "aws": "duckdb_extension_aws",
+    # the find index (pipeline/outputs/find.py): full-text search; vss for the array functions
+    "fts": "duckdb_extension_fts",
+    "vss": "duckdb_extension_vss",
 }
 
 
@@ -157,6 +160,24 @@ def _load(conn: duckdb.DuckDBPyConnection, name: str) -> None:
                 checker.execute(f"LOAD '{_q(path)}'")  # fails on a file that is not DuckDB's, signed
             _VERIFIED.add(path)
     conn.execute(f"LOAD '{_q(path)}'")
+
+
+def load_extension(conn: duckdb.DuckDBPyConnection, name: str) -> None:
+    """LOAD extension ``name`` from its wheel into a connection opened with
+    ``allow_unsigned_extensions`` (its signature checked once per process)."""
+    _load(conn, name)
+
+
+def extension_loaded(name: str) -> bool:
+    """Whether this process has loaded extension ``name`` (then a LOAD of it is cheap)."""
+    with _VERIFIED_LOCK:
+        return any(Path(p).name == f"{name}.duckdb_extension" for p in _VERIFIED)
+
+
+def exists(settings: Settings) -> bool:
+    """Whether there is a warehouse where ``settings`` point (for a catalog that is not a file:
+    assumed, the connection says otherwise)."""
+    return _sqlite_file(settings).exists() if settings.catalog_kind == "sqlite" else True
 
 
 def _extensions(settings: Settings) -> list[str]:

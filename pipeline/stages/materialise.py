@@ -1,4 +1,5 @@
-"""Materialise stage: refresh the activation statistics tables for features that changed."""
+"""Materialise stage: refresh the activation statistics tables (and the by-token table) for
+features that changed."""
 
 from __future__ import annotations
 
@@ -93,6 +94,8 @@ EXCERPT: tuple[tuple[str, str], ...] = (
     ("sum_active", 'coalesce(list_sum(list_filter("values", x -> x > 0)), 0)'),
     ("active_pairs", """list_transform(list_filter(list_zip(tokens, "values"), p -> p[2] > 0),
                                   p -> {'token': p[1], 'value': p[2]})"""),
+    ("peak_token", """CASE WHEN "values"[max_value_token_index + 1] > 0
+                           THEN tokens[max_value_token_index + 1] END"""),
 )
 
 
@@ -149,16 +152,18 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
         "SELECT DISTINCT model_id, source_id FROM changed_features"
     )
-    conn.execute(
-        "DELETE FROM feature_activation_stats f USING changed_features c "
-        "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
-        "AND f.feature_index = c.feature_index"
-    )
+    for table in ("feature_activation_stats", "feature_token_stats"):
+        conn.execute(
+            f"DELETE FROM {table} f USING changed_features c "
+            "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
+            "AND f.feature_index = c.feature_index"
+        )
     (n_chunks,) = conn.execute("SELECT coalesce(max(chunk) + 1, 0) FROM stats_chunks").fetchone()
     for chunk in range(n_chunks):
         conn.execute("DELETE FROM stats_chunk")
         conn.execute("INSERT INTO stats_chunk SELECT * EXCLUDE (chunk) FROM stats_chunks WHERE chunk = ?", [chunk])
         conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})")
+        conn.execute(f"INSERT INTO feature_token_stats BY NAME ({_sql('feature_token_stats')})")
     if sources:
         conn.execute(
             "DELETE FROM source_activation_stats s USING changed_sources c "

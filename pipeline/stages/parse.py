@@ -30,7 +30,13 @@ except ImportError:  # pragma: no cover - a dependency; the standard library sti
     _igzip = None
 from ..config import SCHEMAS_DIR, Settings
 from .records import (
+    ACTIVATION_COLUMN_FIELDS,
+    ACTIVATION_EXTRA_FIELDS,
+    EXPLANATION_COLUMN_FIELDS,
+    EXPLANATION_EXTRA_FIELDS,
+    FEATURE_COLUMN_FIELDS,
     FEATURE_EXTRA_FIELDS,
+    PAGE_RELATIONS,
     Activation,
     Explanation,
     Feature,
@@ -39,11 +45,13 @@ from .records import (
     ParsedInput,
     Source,
     SourceSet,
+    unlisted_fields,
 )
 
 __all__ = [
     "PAGE_KEY_BYTES", "Rejected", "json_text", "parse_bytes", "check_page", "json_view", "gunzip_limited", "gunzip_measure",
     "first_line",
+    "first_lines",
 ]
 
 
@@ -171,13 +179,23 @@ def _measure(module: Any, path: Path | IO[bytes], limit: int, produced: list[int
 
 def first_line(data: bytes, limit: int = 1 << 20) -> bytes | None:
     """The first line of gzip ``data`` (decompressing at most ``limit`` bytes), or None."""
+    lines = first_lines(data, limit)
+    return lines[0] if lines else None
+
+
+def first_lines(data: bytes, limit: int = 1 << 20) -> list[bytes]:
+    """The whole lines at the start of gzip ``data`` (decompressing at most ``limit`` bytes)."""
     d = zlib.decompressobj(16 + zlib.MAX_WBITS)
     try:
         head = d.decompress(data, limit)
     except zlib.error:
-        return None
-    nl = head.find(b"\n")
-    return head[:nl] if nl >= 0 else (head if d.eof else None)
+        return []
+    lines = head.split(b"\n")
+    if not d.eof:
+        lines.pop()  # cut at the limit
+    elif not lines[-1]:
+        lines.pop()
+    return lines
 
 
 def _utf8(data: bytes, what: str) -> str:
@@ -789,8 +807,33 @@ def _json(v: Any) -> str | None:
 _FEATURE_RELATIONS = {"model", "source", "sourceSet", "activations", "explanations", "lists", "creator", "comments"}
 
 
+def _extra(obj: dict, columns: frozenset[str], listed: tuple[str, ...]) -> str:
+    """``obj``'s fields that have no column: the listed ones (null when absent), then any
+    other that is not null, by name (as stage.py's ``_extra_sql`` builds it)."""
+    extra = {k: obj.get(k) for k in listed}
+    for k in unlisted_fields(obj.keys(), columns, listed):
+        if obj[k] is not None:
+            extra[k] = obj[k]
+    return _json(extra)
+
+
+def _embedding(v: Any) -> tuple[list[float] | None, int | None, bool | None]:
+    """An explanation's embedding (a JSON list, or a string holding one): the numbers, how many
+    values it holds, and whether they are all finite numbers (see ``stage._EMBEDDING_SQL``)."""
+    if v is None:
+        return None, None, None
+    if isinstance(v, str):
+        try:
+            v = orjson.loads(v)
+        except orjson.JSONDecodeError:
+            return None, None, False
+    if not isinstance(v, list):
+        return None, None, False
+    numeric = all((type(x) is int or type(x) is float) and math.isfinite(x) for x in v)
+    return ([float(x) for x in v] if numeric else None), len(v), numeric
+
+
 def _feature(p: dict, model_id: Any, source_id: Any, index: int | None) -> Feature:
-    extra = {k: p.get(k) for k in FEATURE_EXTRA_FIELDS}
     return Feature(
         model_id=_str(model_id),
         source_id=_str(source_id),
@@ -806,7 +849,8 @@ def _feature(p: dict, model_id: Any, source_id: Any, index: int | None) -> Featu
         has_vector=p.get("hasVector") if isinstance(p.get("hasVector"), bool) else None,
         creator_id=_str(p.get("creatorId")),
         created_at=_ts(p.get("createdAt")),
-        extra=_json(extra),
+        extra=_extra({k: v for k, v in p.items() if k not in PAGE_RELATIONS},
+                     FEATURE_COLUMN_FIELDS, FEATURE_EXTRA_FIELDS),
         raw={k: v for k, v in p.items() if k not in _FEATURE_RELATIONS},
     )
 
@@ -842,6 +886,7 @@ def _activation(a: Any, page_key: str | None) -> Activation:
         qualifying_token_index=_int32(a.get("qualifyingTokenIndex")),
         creator_id=_str(a.get("creatorId")),
         created_at=_ts(a.get("createdAt")),
+        extra=_extra(a, ACTIVATION_COLUMN_FIELDS, ACTIVATION_EXTRA_FIELDS),
         page_key=page_key if page_key is not None else key,
         raw=a,
     )
@@ -850,6 +895,7 @@ def _activation(a: Any, page_key: str | None) -> Activation:
 def _explanation(e: Any, model_id: Any, source_id: Any, index: int | None) -> Explanation:
     if not isinstance(e, dict):
         e = {"value": e}
+    embedding, dim, numeric = _embedding(e.get("embedding"))
     return Explanation(
         explanation_id=_str(e.get("id")) or None,
         model_id=_str(e.get("modelId", model_id)),
@@ -861,6 +907,10 @@ def _explanation(e: Any, model_id: Any, source_id: Any, index: int | None) -> Ex
         author_id=_str(e.get("authorId")),
         scores=_json(e.get("scores")),
         created_at=_ts(e.get("createdAt")),
+        embedding=embedding,
+        extra=_extra(e, EXPLANATION_COLUMN_FIELDS, EXPLANATION_EXTRA_FIELDS),
+        embedding_dim=dim,
+        embedding_numeric=numeric,
         raw=e,
     )
 

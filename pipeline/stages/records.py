@@ -111,6 +111,7 @@ class Activation:
     qualifying_token_index: int | None = None
     creator_id: str | None = None
     created_at: datetime | None = None
+    extra: str | None = None
     page_key: str | None = field(default=None, compare=False)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -131,6 +132,12 @@ class Explanation:
     author_id: str | None = None
     scores: str | None = None
     created_at: datetime | None = None
+    embedding: list[float] | None = None
+    extra: str | None = None
+    embedding_dim: int | None = field(default=None, compare=False)
+    """How many values the embedding as received holds (None: absent, or not a list)."""
+    embedding_numeric: bool | None = field(default=None, compare=False)
+    """Whether it is a list of finite numbers (None: absent)."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
@@ -156,7 +163,49 @@ FEATURE_EXTRA_FIELDS: tuple[str, ...] = (
     "freq_hist_data_bar_heights", "freq_hist_data_bar_values", "logits_hist_data_bar_heights",
     "logits_hist_data_bar_values", "decoder_weights_dist", "umap_cluster",
     "umap_log_feature_sparsity", "umap_x", "umap_y",
+    # the page's relations that have no table of their own
+    "lists", "creator", "comments",
 )
+
+#: Activation fields kept in ``activations.extra`` (the second export producer's), beside any
+#: field no column or list here names.
+ACTIVATION_EXTRA_FIELDS: tuple[str, ...] = ("zValues",)
+
+#: Explanation fields kept in ``explanations.extra``, beside any field no column or list here
+#: names (pages carry ``triggeredByUser``, exports ``notes``, ``triggeredById`` and the umap_*).
+EXPLANATION_EXTRA_FIELDS: tuple[str, ...] = (
+    "notes", "triggeredById", "triggeredByUser", "umap_x", "umap_y", "umap_cluster",
+    "umap_log_feature_sparsity",
+)
+
+#: The fields of a feature row, an activation and an explanation that have columns of their own
+#: (with the feature key, ``modelId``, ``layer``, ``index``); every other field is kept in the
+#: table's ``extra``: the listed extra fields always (null when absent), any other one when
+#: it is not null, after them in name order.
+FEATURE_COLUMN_FIELDS = frozenset({
+    "modelId", "layer", "index", "sourceSetName", "maxActApprox", "frac_nonzero", "pos_str",
+    "pos_values", "neg_str", "neg_values", "hookName", "hasVector", "creatorId", "createdAt"})
+#: ... and the page's relations, which load into tables of their own
+PAGE_RELATIONS = frozenset({"model", "source", "sourceSet", "activations", "explanations"})
+ACTIVATION_COLUMN_FIELDS = frozenset({
+    "id", "modelId", "layer", "index", "dataSource", "dataIndex", "tokens", "values", "maxValue",
+    "maxValueTokenIndex", "minValue", "dfaValues", "dfaTargetIndex", "dfaMaxValue", "lossValues",
+    "logitContributions", "binMin", "binMax", "binContains", "qualifyingTokenIndex", "creatorId",
+    "createdAt"})
+EXPLANATION_COLUMN_FIELDS = frozenset({
+    "id", "modelId", "layer", "index", "description", "explanationModelName", "typeName",
+    "authorId", "scores", "createdAt", "embedding"})
+
+
+def unlisted_fields(keys: Any, columns: frozenset[str], listed: tuple[str, ...]) -> list[str]:
+    """The keys of a record that neither a column nor the table's extra list names, in order."""
+    return sorted(k for k in keys if k not in columns and k not in listed)
+
+
+#: Values in an explanation embedding: Neuronpedia's search vectors are OpenAI
+#: text-embedding-3-large cut to 256 dimensions. Any other length is quarantined
+#: (``embedding_dimension`` in schemas/expectations/explanations.json).
+EMBEDDING_DIM = 256
 
 _TS = pa.timestamp("us")
 _F64_LIST = pa.list_(pa.float64())
@@ -197,13 +246,14 @@ ARROW_SCHEMAS: dict[str, pa.Schema] = {
          ("logit_contributions", pa.string()), ("bin_min", pa.float64()),
          ("bin_max", pa.float64()), ("bin_contains", pa.float64()),
          ("qualifying_token_index", pa.int32()), ("creator_id", pa.string()),
-         ("created_at", _TS)]
+         ("created_at", _TS), ("extra", pa.string())]
     ),
     "explanations": pa.schema(
         [("explanation_id", pa.string()), ("model_id", pa.string()), ("source_id", pa.string()),
          ("feature_index", pa.int64()), ("description", pa.string()),
          ("explanation_model", pa.string()), ("type_name", pa.string()),
-         ("author_id", pa.string()), ("scores", pa.string()), ("created_at", _TS)]
+         ("author_id", pa.string()), ("scores", pa.string()), ("created_at", _TS),
+         ("embedding", _F64_LIST), ("extra", pa.string())]
     ),
 }
 

@@ -39,7 +39,18 @@ import pyarrow as pa
 import simdjson
 
 from .parse import Rejected, check_page, json_text, json_view
-from .records import ARROW_SCHEMAS, FEATURE_EXTRA_FIELDS, to_arrow
+from .records import (
+    ACTIVATION_COLUMN_FIELDS,
+    ACTIVATION_EXTRA_FIELDS,
+    ARROW_SCHEMAS,
+    EXPLANATION_COLUMN_FIELDS,
+    EXPLANATION_EXTRA_FIELDS,
+    FEATURE_COLUMN_FIELDS,
+    FEATURE_EXTRA_FIELDS,
+    PAGE_RELATIONS,
+    to_arrow,
+    unlisted_fields,
+)
 
 __all__ = [
     "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "stage_parsed", "create_views",
@@ -63,12 +74,16 @@ _ACTIVATION_FIELDS: dict[str, str] = {
     "lossValues": "DOUBLE[]", "logitContributions": "VARCHAR", "binMin": "DOUBLE",
     "binMax": "DOUBLE", "binContains": "DOUBLE", "qualifyingTokenIndex": "INTEGER",
     "creatorId": "VARCHAR", "createdAt": "VARCHAR",
+    **{f: "JSON" for f in ACTIVATION_EXTRA_FIELDS},
 }
 _EXPLANATION_FIELDS: dict[str, str] = {
     "id": "VARCHAR", "modelId": "VARCHAR", "layer": "VARCHAR", "index": "VARCHAR",
     "description": "VARCHAR", "explanationModelName": "VARCHAR", "typeName": "VARCHAR",
-    "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR",
+    "authorId": "VARCHAR", "scores": "JSON", "createdAt": "VARCHAR", "embedding": "JSON",
+    **{f: "JSON" for f in EXPLANATION_EXTRA_FIELDS},
 }
+assert set(_ACTIVATION_FIELDS) == ACTIVATION_COLUMN_FIELDS | set(ACTIVATION_EXTRA_FIELDS)
+assert set(_EXPLANATION_FIELDS) == EXPLANATION_COLUMN_FIELDS | set(EXPLANATION_EXTRA_FIELDS)
 
 
 def _struct_list(fields: dict[str, str]) -> str:
@@ -87,6 +102,9 @@ _PAGE_COLUMNS: dict[str, str] = {
     "tokens": "JSON", "values": "JSON", "description": "JSON",
 }
 
+
+assert {k for k in _PAGE_COLUMNS if k not in ("tokens", "values", "description")} == (
+    FEATURE_COLUMN_FIELDS | set(FEATURE_EXTRA_FIELDS) | PAGE_RELATIONS)
 
 #: The page's and an activation's fields DuckDB reads as lists of numbers.
 _NUMBER_LISTS = [k for k, t in _PAGE_COLUMNS.items() if t == "DOUBLE[]"]
@@ -124,6 +142,13 @@ def _read_exactly(data: bytes) -> bool:
         # simdjson refused a number (an integer past 64 bits, 1e400, NaN): DuckDB would keep its
         # digits as text where Python reads a float, or refuses it; the Python road decides
         return False
+    # a field the typed read does not know would be lost: the Python road keeps it in `extra`
+    if unlisted_fields(page.keys(), FEATURE_COLUMN_FIELDS | PAGE_RELATIONS, FEATURE_EXTRA_FIELDS):
+        return False
+    for kind, columns, listed in (("activations", ACTIVATION_COLUMN_FIELDS, ACTIVATION_EXTRA_FIELDS),
+                                  ("explanations", EXPLANATION_COLUMN_FIELDS, EXPLANATION_EXTRA_FIELDS)):
+        if any(unlisted_fields(x.keys(), columns, listed) for x in (page.get(kind) or ())):
+            return False
     return all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS) and all(
         _numbers_only(a.get(k)) for a in (page.get("activations") or ()) for k in _ACTIVATION_NUMBER_LISTS
     )
@@ -278,15 +303,18 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     refused whole.
     """
     out = ExportRead()
-    for table, columns in _EXPORT_COLUMNS.items():
-        cols = ", ".join(f'"{k}" {v}' for k, v in columns.items())
+    for table, known in _EXPORT_COLUMNS.items():
+        group = files.get(table) or []
+        # Fields the typed read does not know are read as JSON, for `extra`.
+        columns = {**known, **{k: "JSON" for k in _unknown_fields(conn, group, known)}}
+        parsed = _EXPORT_EMBEDDING if table == "explanations" else {}
+        cols = ", ".join(f'"{k.replace(chr(34), chr(34) * 2)}" {v}' for k, v in {**columns, **parsed}.items())
         conn.execute(
             f"CREATE OR REPLACE TEMP TABLE fast_export_{table} (input_sha256 VARCHAR, {cols})"
         )
-        group = files.get(table) or []
         if not group:
             continue
-        out.refused.update(_insert_exports(conn, table, [(sha, path) for sha, path, _ in group]))
+        out.refused.update(_insert_exports(conn, table, [(sha, path) for sha, path, _ in group], columns))
         # A row without any scalar is the cheap sign (no list is read) of a bad line.
         no_scalar = " AND ".join(f'"{k}" IS NULL' for k, v in columns.items() if not v.endswith("[]"))
         counts = {sha: (n, n_empty) for sha, n, n_empty in conn.execute(
@@ -307,7 +335,35 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     return out
 
 
-def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]]) -> dict[str, str]:
+_ACTIVATION_KEY_LINES = 10_000
+
+
+def _unknown_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path, int]],
+                    known: dict[str, str]) -> list[str]:
+    """The fields of the files' lines that ``known`` does not type, by name: one pass of
+    DuckDB's JSON reader over the lines' keys (no value is typed), so that a field only some
+    lines carry is kept too (activation files: their first ``_ACTIVATION_KEY_LINES`` lines)."""
+    if not group:
+        return []
+    # Activation batches are the big ones (hundreds of MB): their keys are read from their
+    # first lines only (their producers write one column set a file).
+    limit = f"LIMIT {_ACTIVATION_KEY_LINES}" if "tokens" in known else ""
+    try:
+        found = conn.execute(
+            f"""SELECT list(DISTINCT k ORDER BY k) FROM (
+                   SELECT unnest(json_keys(json)) AS k FROM (
+                       SELECT json FROM read_json_objects($files, format = 'newline_delimited', compression = 'gzip',
+                                                          ignore_errors = true, maximum_object_size = $max) {limit}))
+               WHERE k NOT IN (SELECT unnest($known::VARCHAR[]))""",
+            {"files": [str(p) for _, p, _ in group], "max": _MAX_OBJECT,
+             "known": sorted(set(known) | PAGE_RELATIONS)}).fetchone()[0]
+    except (duckdb.InvalidInputException, duckdb.IOException):
+        return []  # the read that follows says what is wrong with the file
+    return list(found or [])
+
+
+def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]],
+                    columns: dict[str, str] | None = None) -> dict[str, str]:
     """Append the rows of ``group``'s files to ``fast_export_<table>``, each file's in the order
     of its lines; returns the files that could not be read at all (with DuckDB's reason)."""
     paths = [str(p) for _, p in group]
@@ -315,13 +371,15 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
         # Streams: no window, sort or join over the rows (a row's id is the temp table's rowid),
         # so a batch larger than DuckDB's memory cap spills instead of failing, and the rows
         # keep the order of the lines (read_json and INSERT preserve insertion order).
-        conn.execute(
-            f"""INSERT INTO fast_export_{table} BY NAME
-                SELECT $shas[list_position($files, j.filename)] AS input_sha256, j.* EXCLUDE (filename)
+        select = f"""SELECT $shas[list_position($files, j.filename)] AS input_sha256, j.* EXCLUDE (filename)
                 FROM read_json($files, columns = $columns, format = 'newline_delimited',
                                compression = 'gzip', filename = true, ignore_errors = true,
-                               maximum_object_size = {_MAX_OBJECT}) AS j""",
-            {"files": paths, "shas": [sha for sha, _ in group], "columns": _EXPORT_COLUMNS[table]},
+                               maximum_object_size = {_MAX_OBJECT}) AS j"""
+        if table == "explanations":
+            select = _with_embedding(select, "embedding", name="embedding_values", keep_raw=True)
+        conn.execute(
+            f"""INSERT INTO fast_export_{table} BY NAME {select}""",
+            {"files": paths, "shas": [sha for sha, _ in group], "columns": columns or _EXPORT_COLUMNS[table]},
         )
     except (duckdb.InvalidInputException, duckdb.IOException) as exc:
         # Something in a file (not memory or the disk, which fail the run to be tried again):
@@ -336,7 +394,7 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
             return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}{hint}"}
         refused: dict[str, str] = {}
         for one in group:
-            refused.update(_insert_exports(conn, table, [one]))
+            refused.update(_insert_exports(conn, table, [one], columns))
         return refused
     return {}
 
@@ -378,7 +436,8 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
             return None  # its rows without a scalar are objects without one: they are validated
         conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ? AND {no_scalar}", [sha])
         if n_again:
-            refused = _insert_exports(conn, table, [(sha, again)])
+            refused = _insert_exports(conn, table, [(sha, again)], {
+                c: t for c, t in _table_columns(conn, f"fast_export_{table}").items() if c not in _EXPORT_EMBEDDING})
             if refused:
                 return refused[sha]
         (n_now,) = conn.execute(f"SELECT count(*) FROM fast_export_{table} WHERE input_sha256 = ?", [sha]).fetchone()
@@ -518,6 +577,9 @@ def _arrow_with_meta(table: str, items: list[tuple[str, Any]], start: int) -> pa
         arrow = arrow.append_column("_raw", pa.array(raw, pa.string()))
     if table == "activations":
         arrow = arrow.append_column("page_key", pa.array([r.page_key for _, r in items], pa.string()))
+    if table == "explanations":  # what the suite checks of an embedding (not loaded)
+        arrow = arrow.append_column("embedding_dim", pa.array([r.embedding_dim for _, r in items], pa.int32()))
+        arrow = arrow.append_column("embedding_numeric", pa.array([r.embedding_numeric for _, r in items], pa.bool_()))
     return arrow
 
 
@@ -530,17 +592,78 @@ def stage_parsed(conn: duckdb.DuckDBPyConnection, records: dict[str, list[tuple[
         conn.unregister("_py_rows")
 
 
-def _feature_columns(p: str) -> str:
+def _extra_sql(a: str, listed: tuple[str, ...], unlisted: list[str] = ()) -> str:
+    """SQL for ``a``'s ``extra``: its ``listed`` fields (null when absent), then the ``unlisted``
+    ones (fields of an export file the typed read does not know, read as JSON) that are not
+    null, by name: as ``parse._extra`` builds it on the Python road."""
+    listed_sql = "json_object(" + ", ".join(f"'{f}', {a}.\"{f}\"" for f in listed) + ")"
+    lit, ident = (lambda f: f.replace("'", "''")), (lambda f: f.replace('"', '""'))
+    if not unlisted:
+        return f"CAST({listed_sql} AS VARCHAR)"
+    entries = ", ".join(f"{{'k': '{lit(f)}', 'v': {a}.\"{ident(f)}\"}}" for f in sorted(unlisted))
+    rest = f"CAST(to_json(map_from_entries(list_filter([{entries}], e -> e.v IS NOT NULL))) AS VARCHAR)"
+    # two JSON objects' members joined: '{"a":1}' and '{"b":2}' → '{"a":1,"b":2}'
+    return (f"(CASE WHEN {rest} = '{{}}' THEN CAST({listed_sql} AS VARCHAR) "
+            f"ELSE rtrim(CAST({listed_sql} AS VARCHAR), '}}') || ',' || {rest}[2:] END)")
+
+
+#: An explanation embedding's JSON text holds only a list of JSON numbers (the grammar's).
+_NUMBER_LIST = r"\s*\[\s*(NUM(\s*,\s*NUM)*)?\s*\]\s*".replace(
+    "NUM", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+
+
+def _embedding_text(e: str) -> str:
+    """SQL for the JSON text of an explanation's ``embedding`` (JSON: a list, or a string
+    holding one), NULL when it is absent or null; computed once per row, in a subquery."""
+    raw = f"(CASE WHEN json_type({e}) = 'NULL' THEN NULL ELSE {e} END)"
+    return f"(CASE WHEN json_type({raw}) = 'VARCHAR' THEN {raw}->>'$' ELSE CAST({raw} AS VARCHAR) END)"
+
+
+#: Over a row with ``_emb_text`` (``_embedding_text``) and ``_emb_nums`` (that text cast to
+#: DOUBLE[]): whether the embedding is all finite numbers (the JSON grammar of a list of
+#: numbers, no value lost in the cast).
+_EMBEDDING_NUMERIC = f"""
+    CASE WHEN _emb_text IS NULL THEN NULL
+         ELSE coalesce(regexp_full_match(_emb_text, '{_NUMBER_LIST}') AND list_count(_emb_nums) = len(_emb_nums)
+                       AND isfinite(coalesce(list_sum(_emb_nums), 0)), false) END"""
+#: ... then ``embedding`` and ``embedding_dim`` (how many values it holds), as
+#: ``parse._embedding`` gives them on the Python road; the suite quarantines a bad one.
+_EMBEDDING_COLUMNS = """
+    CASE WHEN embedding_numeric THEN _emb_nums END AS embedding,
+    CAST(CASE WHEN embedding_numeric THEN len(_emb_nums)
+              WHEN json_type(TRY_CAST(_emb_text AS JSON)) = 'ARRAY' THEN json_array_length(TRY_CAST(_emb_text AS JSON))
+         END AS INTEGER) AS embedding_dim"""
+
+
+def _with_embedding(select: str, e: str, *, name: str = "embedding", keep_raw: bool = False) -> str:
+    """``select`` (whose rows have the JSON ``e``) with the embedding's columns (the numbers as
+    ``name``), each computed once (a subquery a step: DuckDB expands a reference to a column
+    alias of the same SELECT). ``keep_raw`` keeps ``e`` where it is not a list of numbers (what
+    a quarantined record shows), and drops it where the numbers say all."""
+    raw = f"CASE WHEN embedding_numeric THEN NULL ELSE {e} END AS {e}, " if keep_raw else ""
+    columns = _EMBEDDING_COLUMNS.replace("END AS embedding,", f"END AS {name},")
+    return (f"SELECT * EXCLUDE (_emb_text, _emb_nums, {e}), {raw}{columns} FROM ("
+            f"SELECT *, {_EMBEDDING_NUMERIC} AS embedding_numeric FROM ("
+            f"SELECT *, TRY_CAST(_emb_text AS DOUBLE[]) AS _emb_nums FROM ("
+            f"SELECT *, {_embedding_text(e)} AS _emb_text FROM ({select}))))")
+
+
+#: What the export road keeps of an embedding, parsed as it is read (``_insert_exports``): the
+#: numbers, not the text (a 256-value list is ~3.4 KB of JSON), so a batch holds it once.
+_EXPORT_EMBEDDING = {"embedding_values": "DOUBLE[]", "embedding_dim": "INTEGER", "embedding_numeric": "BOOLEAN"}
+
+
+def _feature_columns(p: str, unlisted: list[str] = ()) -> str:
     """Select list mapping a feature object ``p`` (page or export row) to ``features`` columns."""
-    extra = ", ".join(f"'{f}', {p}.\"{f}\"" for f in FEATURE_EXTRA_FIELDS)
     return f"""{p}.modelId AS model_id, {p}.layer AS source_id, TRY_CAST({p}."index" AS BIGINT) AS feature_index,
                {p}.sourceSetName AS source_set_name, {p}.maxActApprox AS max_act_approx,
                {p}.frac_nonzero, {p}.pos_str, {p}.pos_values, {p}.neg_str, {p}.neg_values,
                {p}.hookName AS hook_name, {p}.hasVector AS has_vector, {p}.creatorId AS creator_id,
-               {_ts(f"{p}.createdAt")} AS created_at, CAST(json_object({extra}) AS VARCHAR) AS extra"""
+               {_ts(f"{p}.createdAt")} AS created_at,
+               {_extra_sql(p, FEATURE_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
-def _activation_columns(a: str) -> str:
+def _activation_columns(a: str, unlisted: list[str] = ()) -> str:
     """Select list mapping an activation object ``a`` (page element or export row)."""
     return f"""{a}.id AS activation_id, {a}.modelId AS model_id, {a}.layer AS source_id,
                TRY_CAST({a}."index" AS BIGINT) AS feature_index, {a}.dataSource AS data_source,
@@ -551,17 +674,21 @@ def _activation_columns(a: str) -> str:
                {a}.logitContributions AS logit_contributions, {a}.binMin AS bin_min,
                {a}.binMax AS bin_max, {a}.binContains AS bin_contains,
                {a}.qualifyingTokenIndex AS qualifying_token_index, {a}.creatorId AS creator_id,
-               {_ts(f"{a}.createdAt")} AS created_at"""
+               {_ts(f"{a}.createdAt")} AS created_at,
+               {_extra_sql(a, ACTIVATION_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
-def _explanation_columns(e: str, model: str, layer: str, index: str) -> str:
+def _explanation_columns(e: str, model: str, layer: str, index: str, unlisted: list[str] = (),
+                         embedding: str | None = None) -> str:
     """Select list mapping an explanation object ``e``; its key falls back to its page's."""
     return f"""{e}.id AS explanation_id, coalesce({e}.modelId, {model}) AS model_id,
                coalesce({e}.layer, {layer}) AS source_id,
                coalesce(TRY_CAST({e}."index" AS BIGINT), {index}) AS feature_index,
                {e}.description, {e}.explanationModelName AS explanation_model,
                {e}.typeName AS type_name, {e}.authorId AS author_id,
-               CAST({e}.scores AS VARCHAR) AS scores, {_ts(f"{e}.createdAt")} AS created_at"""
+               CAST({e}.scores AS VARCHAR) AS scores, {_ts(f"{e}.createdAt")} AS created_at,
+               {embedding or f"{e}.embedding AS embedding_json"},
+               {_extra_sql(e, EXPLANATION_EXTRA_FIELDS, unlisted)} AS extra"""
 
 
 def _own_key(a: str) -> str:
@@ -570,14 +697,24 @@ def _own_key(a: str) -> str:
             f"""coalesce(CAST(TRY_CAST({a}."index" AS BIGINT) AS VARCHAR), {a}."index", '?')""")
 
 
-def _export_select(table: str) -> str:
-    """SQL giving the export road's rows for a data table (bulk-export rows carry their own key)."""
+def _table_columns(conn: duckdb.DuckDBPyConnection, name: str) -> dict[str, str]:
+    """A temp table's columns and their types, but ``input_sha256``."""
+    return {c: t for c, t in conn.execute(
+        "SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = 'temp' AND table_name = ?",
+        [name]).fetchall() if c != "input_sha256"}
+
+
+def _export_select(table: str, unlisted: list[str] = ()) -> str:
+    """SQL giving the export road's rows for a data table (bulk-export rows carry their own key);
+    ``unlisted``: the fields read for ``extra`` only (``_first_line_fields``)."""
     row = f"input_sha256, {_EXPORT_ROW_BASE} + rowid AS _row"
     if table == "features":
-        return f"SELECT {_feature_columns('r')}, {row} FROM fast_export_features AS r"
+        return f"SELECT {_feature_columns('r', unlisted)}, {row} FROM fast_export_features AS r"
     if table == "activations":
-        return f"SELECT {_activation_columns('r')}, {row}, {_own_key('r')} AS page_key FROM fast_export_activations AS r"
-    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL')}, {row} "
+        return (f"SELECT {_activation_columns('r', unlisted)}, {row}, {_own_key('r')} AS page_key "
+                "FROM fast_export_activations AS r")
+    parsed = "r.embedding_values AS embedding, r.embedding_dim, r.embedding_numeric"
+    return (f"SELECT {_explanation_columns('r', 'NULL', 'NULL', 'NULL', unlisted, parsed)}, {row} "
             "FROM fast_export_explanations AS r")
 
 
@@ -594,7 +731,7 @@ def _fast_select(table: str) -> str:
                 FROM fast_pages AS p
             )"""
     if table == "explanations":
-        return f"""
+        return _with_embedding(f"""
             SELECT {_explanation_columns('e', 'page_model', 'page_layer', 'page_index')},
                    input_sha256, (_page << 20) + pos AS _row
             FROM (
@@ -604,7 +741,7 @@ def _fast_select(table: str) -> str:
                        CASE WHEN CAST(p."index" AS BIGINT) >= 0 THEN CAST(p."index" AS BIGINT) END AS page_index,
                        unnest(p.explanations) AS e, generate_subscripts(p.explanations, 1) AS pos
                 FROM fast_pages AS p
-            )"""
+            )""", "embedding_json")
     if table == "models":
         core = ["id", "displayName", "owner", "tlensId", "layers", "dimension", "createdAt", "updatedAt"]
         return f"""
@@ -658,8 +795,10 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
     for table in STAGED_TABLES:
         keys = _KEYS[table]
         if table in _RAW_TABLES:
+            unlisted = [c for c in _table_columns(conn, f"fast_export_{table}")
+                        if c not in _EXPORT_COLUMNS[table] and c not in _EXPORT_EMBEDDING]
             union = f"""SELECT * FROM ({_fast_select(table)})
-                        UNION ALL BY NAME SELECT * FROM ({_export_select(table)})
+                        UNION ALL BY NAME SELECT * FROM ({_export_select(table, unlisted)})
                         UNION ALL BY NAME SELECT * EXCLUDE (_raw) FROM py_{table}"""
         else:
             union = f"SELECT * FROM ({_fast_select(table)}) UNION ALL BY NAME SELECT * FROM py_{table}"
@@ -709,7 +848,10 @@ def raw_records(conn: duckdb.DuckDBPyConnection, table: str, rows: list[int]) ->
         return {}
     export = [r for r in rows if r >= _EXPORT_ROW_BASE]
     if export:  # export rows as typed (the gzip file is not read again for a few records)
-        q = f"""SELECT {_EXPORT_ROW_BASE} + rowid AS _row, input_sha256, CAST(to_json(r) AS VARCHAR)
+        record = ("json_merge_patch(to_json(r), json_object('embedding_values', NULL, 'embedding_dim', NULL, "
+                  "'embedding_numeric', NULL, 'embedding', coalesce(r.embedding, to_json(r.embedding_values))))"
+                  if table == "explanations" else "to_json(r)")  # the embedding as received, or its numbers
+        q = f"""SELECT {_EXPORT_ROW_BASE} + rowid AS _row, input_sha256, CAST({record} AS VARCHAR)
                 FROM fast_export_{table} AS r
                 WHERE rowid IN (SELECT unnest($rows::BIGINT[]) - {_EXPORT_ROW_BASE})"""
         found = {r: (sha, j) for r, sha, j in conn.execute(q, {"rows": export}).fetchall()}

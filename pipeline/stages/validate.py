@@ -67,7 +67,11 @@ _CHECK_SQL = {
     "explanations": """
         SELECT _row, coalesce(explanation_id, '(no id) for ' || concat_ws('/', coalesce(model_id, '?'), coalesce(source_id, '?'), coalesce(feature_index::VARCHAR, '?'))) AS record_key,
                explanation_id, hash(input_sha256) AS input_key, feature_index,
-               coalesce(length(trim(description)), 0) AS description_length
+               coalesce(length(trim(description)), 0) AS description_length,
+               embedding_dim, embedding_numeric,
+               -- an all-zero embedding has no direction: a cosine with it is undefined
+               CASE WHEN embedding IS NOT NULL AND len(embedding) > 0
+                    THEN coalesce(list_bool_or(list_transform(embedding, x -> x <> 0)), false) END AS embedding_not_zero
         FROM stage_explanations""",
 }
 

@@ -1,0 +1,501 @@
+"""Finding features offline (pipeline.outputs.find): search, similar, by-token, show, and the
+derived index beside the warehouse — against a real warehouse loaded from a synthetic export
+shaped like the real one, answers checked against brute force over the warehouse itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.find_source import MODEL, SOURCE, TOPICS, write_source
+from pipeline.config import Settings
+from pipeline.outputs import find
+from tests.conftest import good_page, query, run_ingest, write
+from tests.formats import to_api_json
+
+FEATUREHOUSE = Path(sys.executable).parent / "featurehouse"
+N_FEATURES = 1200
+
+
+def _unit(seed: int) -> list[float]:
+    v = np.random.default_rng(seed).normal(size=256)
+    return [round(x, 9) for x in (v / np.linalg.norm(v)).tolist()]
+
+
+def _page_two_explanations() -> dict:
+    """A feature of another model with two explanations (one embedding a string): its
+    similarity is the best of its pairs."""
+    page = good_page(7)
+    page["explanations"] = [
+        {"id": "exp-two-a", "description": "jokes told by comedians", "explanationModelName": "gpt-4o-mini",
+         "typeName": "np_max-act", "scores": [], "embedding": _unit(1)},
+        {"id": "exp-two-b", "description": "a second view: CPU things", "explanationModelName": "gemini-2.0-flash",
+         "typeName": "np_max-act", "scores": [], "embedding": json.dumps(_unit(2))},
+    ]
+    return page
+
+
+@pytest.fixture(scope="module")
+def lake(tmp_path_factory):
+    root = tmp_path_factory.mktemp("find")
+    write_source(root / "src", N_FEATURES, 120, seed=3, batch=600, excerpts=4, tokens=24)
+    write(root / "pages" / "two.json", to_api_json(_page_two_explanations()))
+    write(root / "pages" / "plain.json", to_api_json(good_page(8)))  # no embedding: the token basis
+    settings = Settings(warehouse=root / "wh")
+    run_ingest([root / "src", root / "pages"], settings)
+    info = find.build_index(settings)
+    return settings, info
+
+
+@pytest.fixture(scope="module")
+def finder(lake):
+    with find.Finder(lake[0]) as f:
+        yield f
+
+
+def _brute_force(settings: Settings, key: tuple[str, str, int], source: str | None = None) -> list[tuple]:
+    """Every feature's best cosine with the query feature's embeddings, from the warehouse's
+    values: float64, no index."""
+    rows = query(settings, "SELECT model_id, source_id, feature_index, embedding FROM explanations "
+                           "WHERE embedding IS NOT NULL")
+    mine = np.array([e for m, s, i, e in rows if (m, s, i) == key])
+    best: dict[tuple, float] = {}
+    for m, s, i, e in rows:
+        if (m, s, i) == key or (source and s != source):
+            continue
+        v = np.array(e)
+        cos = float(max(mine @ v / (np.linalg.norm(mine, axis=1) * np.linalg.norm(v))))
+        best[(m, s, i)] = max(best.get((m, s, i), -2.0), cos)
+    return sorted(best.items(), key=lambda kv: -kv[1])
+
+
+def test_the_index_holds_the_warehouse(lake):
+    settings, info = lake
+    assert info.mode == "built"
+    assert info.n_explanations == N_FEATURES + 3 and info.n_embeddings == N_FEATURES + 2
+    (n_string,) = query(settings, "SELECT count(*) FROM explanations WHERE explanation_model IN "
+                                  "('gemini-2.0-flash', 'gpt-4.1-nano') AND embedding IS NOT NULL")[0]
+    assert n_string > N_FEATURES // 3  # both encodings loaded as numbers
+
+
+@pytest.mark.parametrize("index", [0, 17, 999])
+def test_similar_is_exactly_brute_force(lake, finder, index):
+    settings, _ = lake
+    key = (MODEL, SOURCE, index)
+    expected = _brute_force(settings, key)[:10]
+    got = finder.similar(f"{MODEL}/{SOURCE}/{index}", limit=10)
+    assert [(m, s, i) for m, s, i, *_ in got.rows] == [k for k, _ in expected]
+    assert [round(r[3], 6) for r in got.rows] == [round(c, 6) for _, c in expected]
+    assert {r[4] for r in got.rows} == {"embedding"}
+    # neighbours share the topic the generator put them near
+    topic = TOPICS[(index * 7919) % len(TOPICS)][0]
+    assert sum(topic in r[5] for r in got.rows) >= 8
+
+
+def test_similar_best_pair_across_models_and_narrowed(lake, finder):
+    settings, _ = lake
+    key = ("gpt-oss-20b", "11-resid-post-aa", 7)
+    expected = _brute_force(settings, key)[:5]
+    got = finder.similar("gpt-oss-20b/11-resid-post-aa/7", limit=5)
+    assert [(m, s, i) for m, s, i, *_ in got.rows] == [k for k, _ in expected]
+    narrowed = finder.similar(f"{MODEL}/{SOURCE}/5", source="11-resid-post-aa", limit=5)
+    assert [(r[0], r[2]) for r in narrowed.rows] == [("gpt-oss-20b", 7)]
+
+
+def test_similar_without_an_embedding_uses_tokens(finder):
+    got = finder.similar("gpt-oss-20b/11-resid-post-aa/8", limit=5)
+    assert got.rows and {r[4] for r in got.rows} == {"tokens"}
+    # page 7 has the same top tokens and logits as page 8 (good_page): the closest
+    assert (got.rows[0][0], got.rows[0][2], got.rows[0][3]) == ("gpt-oss-20b", 7, 1.0)
+    with pytest.raises(find.NoSuchFeature):
+        finder.similar("gpt-oss-20b/11-resid-post-aa/123456")
+
+
+def test_search_is_the_fts_extensions_bm25(finder):
+    for q in ["jokes", "Paris France", "programming syntax"]:
+        got = finder.search(q, limit=N_FEATURES + 10)
+        macro = dict(finder.conn.execute(
+            "SELECT doc_id, score FROM (SELECT doc_id, fts_main_docs.match_bm25(doc_id, ?) AS score FROM docs) "
+            "WHERE score IS NOT NULL", [q]).fetchall())
+        assert len(got.rows) == len(macro) > 0
+        assert sorted(round(r[5], 4) for r in got.rows) == sorted(round(v, 4) for v in macro.values())
+        scores = [r[5] for r in got.rows]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_search_stems_phrases_and_narrows(finder):
+    stemmed = finder.search("joking", limit=5)  # porter: joking → joke
+    assert stemmed.rows and all("joke" in r[3].lower() for r in stemmed.rows)
+    phrase = finder.search('"comedians" jokes', limit=50)
+    assert [(r[0], r[2]) for r in phrase.rows] == [("gpt-oss-20b", 7)]
+    assert finder.search("jokes", model="gpt-oss-20b").rows[0][2] == 7
+    assert finder.search("jokes", source=SOURCE, limit=3).rows[0][1] == SOURCE
+    assert finder.search("qwertyuiop").rows == []
+
+
+def _brute_by_token(settings, token: str, fold) -> list[tuple]:
+    rows = query(settings, 'SELECT model_id, source_id, feature_index, tokens, "values", max_value_token_index '
+                           "FROM activations")
+    best: dict[tuple, list] = {}
+    for m, s, i, toks, vals, peak in rows:
+        for j, (t, v) in enumerate(zip(toks, vals)):
+            if v > 0 and fold(t) == fold(token):
+                b = best.setdefault((m, s, i), [0.0, 0])
+                b[0] = max(b[0], v)
+                b[1] += j == peak
+    return sorted(((k, v[0], v[1]) for k, v in best.items()), key=lambda r: (-r[1], -r[2], r[0]))
+
+
+@pytest.mark.parametrize(("token", "kw", "fold"), [
+    (" Paris", {}, lambda t: t),
+    ("paris", {"ignore_case": True, "strip": True}, lambda t: t.lstrip(" ▁Ġ").lower()),
+    ("CPU", {"strip": True}, lambda t: t.lstrip(" ▁Ġ")),
+])
+def test_by_token_is_exact(lake, finder, token, kw, fold):
+    settings, _ = lake
+    expected = _brute_by_token(settings, token, fold)
+    got = finder.by_token(token, limit=1000, **kw)
+    assert len(expected) >= 3
+    assert [((r[0], r[1], r[2]), r[3], r[4]) for r in got.rows] == expected
+
+
+def test_by_token_data_source(finder):
+    got = finder.by_token("t0_2", data_source="Chat")
+    assert [(r[0], r[2], r[3], r[4]) for r in got.rows] == [("gpt-oss-20b", 7, 3.25, 1), ("gpt-oss-20b", 8, 3.25, 1)]
+    assert finder.by_token("t0_2", data_source="Non-Chat").rows == []
+
+
+def test_refresh_after_a_load_and_stale_note(tmp_path, lake):
+    # a copy of the warehouse, so the module's stays as built
+    import shutil
+
+    src_settings, _ = lake
+    wh = tmp_path / "wh"
+    shutil.copytree(src_settings.warehouse, wh)
+    settings = Settings(warehouse=wh)
+    old = find.Finder(settings)
+    assert old.note is None
+    page = good_page(9, model="other-model", source="3-res")
+    page["explanations"][0].update(description="penguins on ice", embedding=_unit(9))
+    # and a feature already indexed, captured again: its old explanation leaves the index
+    again = good_page(5, model=MODEL, source=SOURCE)
+    again["explanations"][0].update(description="jokes about penguins", embedding=_unit(5))
+    run_ingest([write(tmp_path / "in" / "p.json", to_api_json(page)),
+                write(tmp_path / "in" / "again.json", to_api_json(again))], settings)
+    with find.Finder(settings) as stale:
+        assert "changed since" in stale.note and stale.search("penguins").rows == []
+    info = find.refresh_index(settings)
+    assert info.mode == "refreshed" and info.n_changed_features == 2
+    with find.Finder(settings) as fresh:
+        assert fresh.note is None
+        assert sorted((r[0], r[2]) for r in fresh.search("penguins").rows) == [(MODEL, 5), ("other-model", 9)]
+        assert [r[3] for r in fresh.search("jokes", source=SOURCE, limit=5000).rows if r[2] == 5] == [
+            "jokes about penguins"]
+        assert fresh.similar("other-model/3-res/9", limit=3).rows[0][4] == "embedding"
+        refreshed = [fresh.similar(f"{MODEL}/{SOURCE}/{i}", limit=8).rows for i in (0, 5)]
+        searched = fresh.search("jokes humour", limit=20).rows
+        tokens = fresh.by_token("t1_0", limit=20).rows
+    # the old index, opened before, still answers whole (the file was replaced, not rewritten)
+    assert old.search("jokes", limit=3).rows and old.similar(f"{MODEL}/{SOURCE}/0", limit=3).rows
+    old.close()
+    # a refresh gives what a build from scratch gives
+    assert find.build_index(settings).mode == "built"
+    with find.Finder(settings) as built:
+        assert [built.similar(f"{MODEL}/{SOURCE}/{i}", limit=8).rows for i in (0, 5)] == refreshed
+        assert built.search("jokes humour", limit=20).rows == searched
+        assert built.by_token("t1_0", limit=20).rows == tokens
+    assert find.refresh_index(settings).mode == "current"
+
+
+def _fh(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_cli_find_commands(lake, tmp_path):
+    settings, _ = lake
+    wh = str(settings.warehouse)
+    r = _fh("search", "jokes", "--warehouse", wh, "--format", "json", "-n", "3")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) == 3 and {"model_id", "source_id", "feature_index", "description", "explanation_model",
+                               "score", "max_activation"} <= set(rows[0])
+    r = _fh("similar", f"{MODEL}/{SOURCE}/17", "--warehouse", wh, "--format", "csv", "-n", "4")
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "model_id,source_id,feature_index,similarity,basis,description"
+    assert len(r.stdout.splitlines()) == 5
+    r = _fh("by-token", "paris", "--ignore-case", "--strip", "--warehouse", wh)
+    assert r.returncode == 0 and "Paris" in r.stdout
+    r = _fh("similar", "not-a-key", "--warehouse", wh)
+    assert r.returncode == 2 and "MODEL/SOURCE/INDEX" in r.stderr
+    html = tmp_path / "f.html"
+    r = _fh("show", "gpt-oss-20b/11-resid-post-aa/7", "--warehouse", wh, "--html", str(html))
+    assert r.returncode == 0, r.stderr
+    assert "[[t0_2]]" in r.stdout and "jokes told by comedians" in r.stdout and "nearest features" in r.stdout
+    assert html.exists()
+
+
+def test_cli_find_path_imports_nothing_heavy(lake):
+    settings, _ = lake
+    code = ("import sys\nfrom pipeline.cli import cli\n"
+            "try:\n    cli(['search', 'jokes', '--warehouse', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('great_expectations', 'pandas', 'pipeline.ingest', 'altair') if m in sys.modules]\n"
+            "print('HEAVY', heavy)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(settings.warehouse)], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in r.stdout, r.stdout + r.stderr
+
+
+def test_pipeline_ingest_stays_the_function_after_its_module_is_imported():
+    # the lazy package: importing the submodule pipeline.ingest must not shadow the function
+    code = ("import pipeline.ingest, pipeline.stages.materialise\nfrom pipeline import ingest, refresh_stats\n"
+            "import pipeline\nprint(callable(ingest), type(ingest).__name__, pipeline.ingest is ingest,\n"
+            "      pipeline.refresh_stats.__name__)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["True", "function", "True", "refresh"], r.stdout + r.stderr
+
+
+def test_find_from_python_returns_arrow(lake):
+    import pipeline
+
+    settings, _ = lake
+    got = pipeline.search(settings, "jokes", limit=4)
+    table = got.to_arrow()
+    assert table.num_rows == 4 and table.column_names[:3] == ["model_id", "source_id", "feature_index"]
+    assert pipeline.by_token(settings, "paris", ignore_case=True, strip=True).as_dicts()[0]["n_active"] >= 1
+
+
+def test_a_missing_index_is_named(tmp_path):
+    settings = Settings(warehouse=tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError):
+        find.Finder(settings)
+
+
+@pytest.mark.browser
+def test_show_html_renders_in_chromium(lake, tmp_path):
+    from tests.test_report import CHROMIUM, Browser
+
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed at /usr/bin/chromium")
+    settings, _ = lake
+    view = find.show(settings, "gpt-oss-20b/11-resid-post-aa/7")
+    page = tmp_path / "feature.html"
+    page.write_text(find.render_html(view), encoding="utf-8")
+    b = Browser()
+    try:
+        b.open(page.as_uri())
+        assert b.problems() == []
+        assert b.js("document.title").startswith("gpt-oss-20b/11-resid-post-aa/7")
+        # self-contained: nothing to fetch, no script
+        assert b.js("document.querySelectorAll('script, link, img, iframe').length") == 0
+        excerpts = b.js("""[...document.querySelectorAll('.excerpt')].map(e => ({
+            max: parseFloat(e.dataset.max),
+            toks: [...e.querySelectorAll('.tok')].map(t => ({v: parseFloat(t.dataset.activation),
+                   bg: getComputedStyle(t).backgroundColor, peak: t.classList.contains('peak'),
+                   outline: getComputedStyle(t).outlineStyle, text: t.textContent}))}))""")
+        assert len(excerpts) == 3
+        top = max(e["max"] for e in excerpts)
+        for e in excerpts:
+            peaks = [t for t in e["toks"] if t["peak"]]
+            assert len(peaks) == 1 and peaks[0]["v"] == e["max"] and peaks[0]["outline"] == "solid"
+            for t in e["toks"]:  # shaded by activation: the alpha is the value over the largest
+                alpha = float(t["bg"].rstrip(")").split(",")[3]) if t["bg"].startswith("rgba") else 1.0
+                if t["v"] == 0:
+                    assert t["bg"] in ("rgba(255, 120, 0, 0)", "rgba(0, 0, 0, 0)")
+                else:
+                    assert alpha == pytest.approx(t["v"] / top, abs=0.002)
+        assert b.js("document.querySelector('.explanations').textContent").count("jokes told by comedians") == 1
+        assert b.js("document.querySelectorAll('table.neighbours tr').length") > 1
+        b.screenshot(tmp_path / "feature.png")
+    finally:
+        b.close()
+
+
+# --- review of issue 19: the index's freshness, identity, damage, permissions, bad input -------
+
+
+def _copy(lake, tmp_path: Path, **kw) -> Settings:
+    """A copy of the module's warehouse (and its find index), to change without touching it."""
+    import shutil
+
+    wh = tmp_path / "wh"
+    shutil.copytree(lake[0].warehouse, wh)
+    return Settings(warehouse=wh, **kw)
+
+
+@pytest.fixture(scope="module")
+def other_lake(tmp_path_factory):
+    """Another warehouse: one page whose description and tokens hold terminal escapes."""
+    root = tmp_path_factory.mktemp("other")
+    page = good_page(3, model="other-model", source="5-res")
+    page["explanations"][0].update(description="penguins \x1b[31mred\x1b[0m \x1b]0;pwned\x07 here",
+                                   embedding=_unit(3))
+    page["activations"][0]["tokens"][0] = "\x1b[2J"
+    settings = Settings(warehouse=root / "wh")
+    run_ingest([write(root / "in" / "p.json", to_api_json(page))], settings)
+    return settings
+
+
+def test_the_index_is_stale_after_maintain_expired_the_history(lake, tmp_path):
+    from datetime import timedelta
+
+    from pipeline.lake import warehouse as warehouse_mod
+    from pipeline.lake.maintain import maintain
+
+    settings = _copy(lake, tmp_path)
+    assert find.refresh_index(settings).mode == "current"
+    maintain(settings, retention_days=0, grace=timedelta(0))  # nothing changed: merged files only
+    assert find.refresh_index(settings).mode == "current"
+    with warehouse_mod.connect(settings) as conn:
+        conn.execute(f"DELETE FROM {warehouse_mod.CATALOG}.explanations WHERE feature_index = 3")
+        # then a commit the index does not read, as a run's last one (its report) is
+        conn.execute(f"DELETE FROM {warehouse_mod.CATALOG}.runs WHERE run_id = (SELECT max(run_id) FROM "
+                     f"{warehouse_mod.CATALOG}.runs)")
+    # the delete's snapshot is expired: only the change feed said it was there
+    maintain(settings, retention_days=0, grace=timedelta(0))
+    with find.Finder(settings) as stale:
+        assert stale.note and "changed since" in stale.note
+    assert find.refresh_index(settings).mode == "built"
+    assert find.refresh_index(settings).mode == "current"
+    with find.Finder(settings) as fresh:
+        assert fresh.note is None
+        assert not [r for r in fresh.search("jokes humour paris programming", limit=5000).rows if r[2] == 3]
+
+
+def test_a_find_dir_two_warehouses_share_is_rebuilt_for_each(lake, other_lake, tmp_path):
+    shared = tmp_path / "shared-find"
+    a = _copy(lake, tmp_path, find_dir=shared)
+    b = Settings(warehouse=other_lake.warehouse, find_dir=shared)
+    assert find.build_index(a).mode == "built"
+    with pytest.raises(find.FindIndexForeign, match="another warehouse"):
+        find.Finder(b)
+    assert find.index_info(b)["same_warehouse"] is False
+    assert find.refresh_index(b).mode == "built"  # not "current": the snapshot ids mean nothing here
+    with find.Finder(b) as f:
+        assert [r[0] for r in f.search("penguins").rows] == ["other-model"]
+    with pytest.raises(find.FindIndexForeign):
+        find.Finder(a)
+    r = _fh("search", "jokes", "--warehouse", str(a.warehouse), "-n", "1", FEATUREHOUSE_FIND_DIR=str(shared))
+    assert r.returncode == 0 and "another warehouse" in r.stderr and MODEL in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut_matrix", "no_matrix"])
+def test_damaged_find_files_are_said_and_rebuilt(lake, tmp_path, damage):
+    settings = _copy(lake, tmp_path)
+    d = settings.find_index_dir
+    if damage == "garbage":
+        (d / "index.duckdb").write_bytes(b"\x00not a database" * 1000)
+    else:
+        (m,) = d.glob("emb-*.f32")
+        if damage == "cut_matrix":
+            with open(m, "r+b") as f:
+                f.truncate(m.stat().st_size // 2)
+        else:
+            m.unlink()
+    with pytest.raises(find.FindIndexDamaged):
+        find.Finder(settings)
+    r = _fh("search", "jokes", "--warehouse", str(settings.warehouse), "-n", "2")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "building the find index" in r.stderr and MODEL in r.stdout
+    assert find.refresh_index(settings).mode == "current"
+    with find.Finder(settings) as f:
+        assert f.similar(f"{MODEL}/{SOURCE}/0", limit=2).rows
+
+
+def test_index_rebuilds_damaged_files_instead_of_saying_current(lake, tmp_path):
+    settings = _copy(lake, tmp_path)
+    (m,) = settings.find_index_dir.glob("emb-*.f64")
+    m.write_bytes(b"")
+    assert find.refresh_index(settings).mode == "built"
+
+
+def test_a_read_only_warehouse_answers_from_a_current_index_or_says_it_cannot_build(lake, tmp_path):
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to drop the override of file permissions")
+    as_user = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+    settings = _copy(lake, tmp_path)
+    wh = settings.warehouse
+
+    def read_only(on: bool) -> None:
+        for p in [wh, *wh.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222 if on else p.stat().st_mode | 0o200)
+
+    def fh(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(as_user + [str(FEATUREHOUSE), *args, "--warehouse", str(wh)],
+                              capture_output=True, text=True, timeout=120)
+
+    read_only(True)
+    try:
+        for args in (["search", "jokes"], ["search", "jokes", "--refresh"], ["by-token", " Paris"],
+                     ["show", f"{MODEL}/{SOURCE}/0"]):
+            r = fh(*args)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r.stderr)
+        r = fh("index")
+        assert r.returncode == 0 and "current" in r.stdout, r.stderr
+        r = fh("index", "--full")
+        assert r.returncode == 1 and "Traceback" not in r.stderr and "permission denied" in r.stderr, r.stderr
+    finally:
+        read_only(False)
+    shutil.rmtree(settings.find_index_dir)
+    read_only(True)
+    try:
+        r = fh("search", "jokes")
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "cannot be built" in r.stderr and "permission denied" in r.stderr, r.stderr
+    finally:
+        read_only(False)
+
+
+def test_terminal_escapes_are_printed_escaped(other_lake):
+    wh = str(other_lake.warehouse)
+    for args in (["search", "penguins"], ["show", "other-model/5-res/3"], ["by-token", "\x1b[2J"]):
+        r = _fh(*args, "--warehouse", wh)
+        assert r.returncode == 0, r.stderr
+        assert "\x1b" not in r.stdout and "\x07" not in r.stdout
+    assert "\\x1b[31mred" in _fh("search", "penguins", "--warehouse", wh).stdout
+
+
+@pytest.mark.parametrize("limit", [0, -1, 2.5, "3", True, None])
+def test_the_python_api_checks_limit(finder, limit):
+    for call in (lambda: finder.search("jokes", limit=limit), lambda: finder.by_token("t0_2", limit=limit),
+                 lambda: finder.similar(f"{MODEL}/{SOURCE}/0", limit=limit)):
+        with pytest.raises(ValueError, match="limit"):
+            call()
+
+
+def test_an_empty_answer_has_typed_arrow_columns(finder):
+    import pyarrow as pa
+
+    empty, full = finder.search("qwertyuiop").to_arrow(), finder.search("jokes", limit=2).to_arrow()
+    assert empty.num_rows == 0 and empty.schema == full.schema
+    assert empty.schema.field("feature_index").type == pa.int64() and empty.schema.field("score").type == pa.float64()
+    tok = finder.by_token("no-such-token").to_arrow()
+    assert tok.schema == finder.by_token("t0_2").to_arrow().schema
+    assert tok.schema.field("tokens").type == pa.list_(pa.string())
+    sim = finder.similar(f"{MODEL}/{SOURCE}/0", limit=3).to_arrow()
+    assert sim.schema.field("similarity").type == pa.float64()
+
+
+def test_an_empty_search_is_a_usage_error(lake):
+    with pytest.raises(ValueError, match="empty"):
+        find.search(lake[0], "  ")
+    r = _fh("search", "", "--warehouse", str(lake[0].warehouse))
+    assert r.returncode == 2 and "empty" in r.stderr
+
+
+def test_a_leftover_lock_and_two_rebuilds_at_once(lake, tmp_path):
+    settings = _copy(lake, tmp_path)
+    (settings.find_index_dir / ".lock").write_text("left by a builder that was killed")
+    procs = [subprocess.Popen([str(FEATUREHOUSE), "index", "--full", "--warehouse", str(settings.warehouse)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert find.refresh_index(settings).mode == "current"
+    with find.Finder(settings) as f:
+        assert len(f.search("jokes", limit=3)) == 3 and f.similar(f"{MODEL}/{SOURCE}/0", limit=3).rows
