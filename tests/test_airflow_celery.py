@@ -188,7 +188,8 @@ def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_
                 NEURONPEDIA_EXPORTS_URL=f"{fake}/neuronpedia-datasets",
                 AIRFLOW__CORE__HOSTNAME_CALLABLE="tests.worker_hostname.get",
                 FEATUREHOUSE_WRITER_SLOTS="2",  # two workers x one slot
-                PYTHONPATH=str(REPO),  # this tree's dags/ and pipeline/, and tests.worker_hostname
+                # this tree's dags/ and pipeline/, tests.worker_hostname, and deploy/ (airflow_local_settings)
+                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "deploy")]),
                 **FAST_ZOMBIES,
             )
             assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
