@@ -55,6 +55,7 @@ CONFIG = """
 retry_delay = 2
 [fetch]
 chunk_size = 20
+requests_per_hour = 3600000  # the fake site has no limit: no waiting on the rate limiter
 [[sources]]
 model = "{model}"
 source = "{source}"

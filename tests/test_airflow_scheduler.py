@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = """
 [fetch]
 chunk_size = 10
+requests_per_hour = 3600000  # the fake site has no limit: no waiting on the rate limiter
 [[sources]]
 model = "gpt-oss-20b"
 source = "11-resid-post-aa"
