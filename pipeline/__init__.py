@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .outputs.find import Finder, FindIndexStale, by_token, refresh_index, search, show, similar
     from .stages.materialise import refresh as refresh_stats
     from .stages.parse import Rejected, parse_bytes
+    from .warm import warm_up
 
 _LAZY = {
     "Settings": (".config", "Settings"),
@@ -35,10 +36,11 @@ _LAZY = {
     "by_token": (".outputs.find", "by_token"),
     "show": (".outputs.find", "show"),
     "refresh_index": (".outputs.find", "refresh_index"),
+    "warm_up": (".warm", "warm_up"),
 }
 
 __all__ = ["Settings", "RunSummary", "ingest", "refresh_stats", "Rejected", "parse_bytes",
-           "Finder", "FindIndexStale", "search", "similar", "by_token", "show", "refresh_index"]
+           "Finder", "FindIndexStale", "search", "similar", "by_token", "show", "refresh_index", "warm_up"]
 __version__ = "0.1.0"
 
 

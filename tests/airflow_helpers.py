@@ -44,6 +44,7 @@ LOCATION_KEYS = frozenset({
     "FEATUREHOUSE_WAREHOUSE",
     "FEATUREHOUSE_CATALOG",
     "FEATUREHOUSE_INBOX",
+    "PYTHONPATH",  # deploy/, for airflow_local_settings.py
     # the scale-out deployment's (SCALE_ENV_FILE)
     "AIRFLOW__CELERY__BROKER_URL",
     "AIRFLOW__CELERY__RESULT_BACKEND",
@@ -67,7 +68,6 @@ CELERY_TEST_KEYS = frozenset({
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT",
     "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL",
     "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL",
-    "PYTHONPATH",
 })
 
 #: The Airflow processes of a deployment, by docker-compose service name: the arguments to `airflow`.
@@ -122,6 +122,7 @@ def airflow_env(home: Path, *, scale: bool = False, **overrides: str) -> dict[st
         "FEATUREHOUSE_WAREHOUSE": str(home / "data" / "warehouse"),
         "FEATUREHOUSE_CATALOG": "",  # the embedded catalog in the warehouse folder, unless a test gives one
         "FEATUREHOUSE_INBOX": str(home / "data" / "inbox"),
+        "PYTHONPATH": str(DEPLOY),
         "AIRFLOW__API_AUTH__JWT_SECRET": "featurehouse-test-jwt-secret-" + home.name,
         "PATH": f"{AIRFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }

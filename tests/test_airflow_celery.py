@@ -55,6 +55,7 @@ CONFIG = """
 retry_delay = 2
 [fetch]
 chunk_size = 20
+requests_per_hour = 3600000  # the fake site has no limit: no waiting on the rate limiter
 [[sources]]
 model = "{model}"
 source = "{source}"
@@ -188,7 +189,8 @@ def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_
                 NEURONPEDIA_EXPORTS_URL=f"{fake}/neuronpedia-datasets",
                 AIRFLOW__CORE__HOSTNAME_CALLABLE="tests.worker_hostname.get",
                 FEATUREHOUSE_WRITER_SLOTS="2",  # two workers x one slot
-                PYTHONPATH=str(REPO),  # this tree's dags/ and pipeline/, and tests.worker_hostname
+                # this tree's dags/ and pipeline/, tests.worker_hostname, and deploy/ (airflow_local_settings)
+                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "deploy")]),
                 **FAST_ZOMBIES,
             )
             assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"

@@ -27,6 +27,7 @@ MISSING = 500  # asked for, not on the server: recorded as not found, the run go
 CONFIG = """
 [fetch]
 chunk_size = 25
+requests_per_hour = 3600000  # the fake site has no limit: no waiting on the rate limiter
 concurrency = 4
 [[sources]]
 model = "gpt-oss-20b"

@@ -39,6 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG = """
 [fetch]
 chunk_size = 10
+requests_per_hour = 3600000  # the fake site has no limit: no waiting on the rate limiter
 [[sources]]
 model = "gpt-oss-20b"
 source = "11-resid-post-aa"
@@ -88,13 +89,19 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
             api = Api(f"http://127.0.0.1:{port}", "admin", password)
 
             runs = {}
-            for dag_id, logical_date in (("featurehouse_inbox", "2026-11-28T03:10:00Z"),
-                                         ("featurehouse_nightly", "2026-11-28T03:00:00Z")):
+            for dag_id in ("featurehouse_inbox", "featurehouse_nightly"):
+                def parsed(d=dag_id):
+                    status, dag = api._send("GET", f"/api/v2/dags/{d}", token=api.token)
+                    return dag if status == 200 else None
+
                 # the dag-processor has parsed the file and the DAG is known to the API
-                wait_until(lambda d=dag_id: api._send("GET", f"/api/v2/dags/{d}", token=api.token)[0] == 200,
-                           120, what=f"{dag_id} to be parsed")
+                dag = wait_until(parsed, 120, what=f"{dag_id} to be parsed")
+                # Unpausing makes the scheduler run the latest interval, unless a run of that logical
+                # date exists: triggered for it, the API's run is the only one (not a second night
+                # beside it, competing for the same two cores).
+                run = api.call("POST", f"/api/v2/dags/{dag_id}/dagRuns",
+                               {"logical_date": dag["next_dagrun_logical_date"] or "2026-11-28T03:00:00Z"})
                 api.call("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": False})
-                run = api.call("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": logical_date})
                 runs[dag_id] = run["dag_run_id"]
 
             def finished():
@@ -108,6 +115,9 @@ def test_scheduler_runs_both_dags_triggered_through_the_rest_api(tmp_path):
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n{_logs(tmp_path)}") from None
 
+            # the API's run was the night's only one (the scheduler did not make its own beside it)
+            nightly = api.call("GET", "/api/v2/dags/featurehouse_nightly/dagRuns")["dag_runs"]
+            assert [r["dag_run_id"] for r in nightly] == [runs["featurehouse_nightly"]]
             # the mapped fetch ran in the pool, one task per chunk
             tis = api.call("GET", f"/api/v2/dags/featurehouse_nightly/dagRuns/{runs['featurehouse_nightly']}/taskInstances")
             fetches = [t for t in tis["task_instances"] if t["task_id"] == "fetch"]

@@ -173,6 +173,9 @@ def test_places_agree_with_the_services_and_the_image():
     assert ENV["AIRFLOW__CORE__DAGS_FOLDER"] == copied_to("dags")
     assert ENV["FEATUREHOUSE_CONFIG"] == copied_to("featurehouse.toml")
     assert ENV["FEATUREHOUSE_SCHEMAS"] == copied_to("schemas")
+    # Airflow imports airflow_local_settings (the preload) from deploy/, as the tests do
+    assert ENV["PYTHONPATH"] == copied_to("deploy")
+    assert (REPO / "deploy" / "airflow_local_settings.py").exists()
 
 
 def test_the_catalog_is_its_own_database_on_the_deployments_postgres():

@@ -7,6 +7,7 @@ own AIRFLOW_HOME and the result comes back as JSON.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.sources.plan import load_plan
-from tests.airflow_helpers import REPO, airflow_env
+from tests.airflow_helpers import DEPLOY, REPO, airflow_env
 
 DAGS = REPO / "dags"
 #: Tasks that load or rewrite the warehouse: in the pool that bounds how many run at once (memory).
@@ -229,3 +230,35 @@ def test_an_inbox_run_whose_verdict_is_fail_fails_its_task_after_recording_it(tm
     from tests.conftest import query
 
     assert query(wh, "SELECT n_received, n_rejected FROM runs") == [(1, 1)]
+
+
+_PRELOAD = r"""
+import json, os, sys
+os.environ["OPENBLAS_NUM_THREADS"] = "1"  # numpy's and scipy's BLAS threads (made for fork) out of the count
+sys.argv = ["airflow", *sys.argv[1:]]
+import airflow  # as every Airflow process does: imports airflow_local_settings from PYTHONPATH
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+modules = ("great_expectations", "pipeline.sources.fetch", "pipeline.outputs.report")
+print("JSON:" + json.dumps({"preloaded": [m for m in modules if m in sys.modules],
+                            "threads": sorted(t for t in threads if t != "jemalloc_bg_thd")}))
+"""
+
+
+def test_the_scheduler_preloads_the_pipeline_and_leaves_nothing_running_to_fork(tmp_path):
+    """deploy/airflow_local_settings.py, on the PYTHONPATH deploy/airflow.env gives every Airflow
+    process: the scheduler imports what its tasks import, once, and after it only the main thread
+    runs (DuckDB's default connection closed; Arrow's jemalloc thread is made for fork)."""
+    out = _run(_PRELOAD, ["scheduler"], tmp_path)
+    assert out == {"preloaded": ["great_expectations", "pipeline.sources.fetch", "pipeline.outputs.report"],
+                   "threads": ["python"]}
+
+
+@pytest.mark.parametrize("argv, preloads", [
+    (["scheduler"], True), (["scheduler", "--pid", "x"], True), (["celery", "worker", "-q", "default"], True),
+    (["api-server"], False), (["dag-processor"], False), (["triggerer"], False), (["celery", "flower"], False),
+    (["dags", "test", "featurehouse_nightly"], False), (["tasks", "test"], False), ([], False)])
+def test_only_the_processes_that_fork_tasks_preload(argv, preloads):
+    spec = importlib.util.spec_from_file_location("local_settings_probe", DEPLOY / "airflow_local_settings.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # pytest's own argv: no preload
+    assert module._forks_tasks(["/usr/bin/airflow", *argv]) is preloads
