@@ -535,3 +535,27 @@ def test_hostile_report_renders_whole_and_runs_nothing_in_chromium(browser, host
     keys = browser.js("[...document.querySelectorAll('tr.quarantined')].map(r => r.dataset.key)")
     assert set(keys) == {HOSTILE["activation_id"]}
     assert browser.problems() == []
+
+
+def test_a_control_character_in_a_description_does_not_abort_the_report(tmp_path):
+    """Outside review: vl-convert draws a chart's SVG as XML and panics (SIGABRT, the whole ingest
+    process) on a character XML does not allow, such as ESC in an explanation shown as a label.
+    The report is drawn with it written as its escape, and the run ends normally. In a process of
+    its own: the failure aborted the process, which would take a test worker with it."""
+    import sys
+
+    from tests.conftest import good_page
+    from tests.formats import to_api_json
+
+    page = good_page(7)
+    page["explanations"][0]["description"] = "red \x1b[31mALERT\x1b[0m jokes \ufffe"
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "p.json").write_bytes(to_api_json(page))
+    fh = Path(sys.executable).parent / "featurehouse"
+    r = subprocess.run([str(fh), "ingest", str(tmp_path / "in"), "--warehouse", str(tmp_path / "wh"),
+                        "--no-progress", "--format", "json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["n_loaded"] == 1 and out["report_path"] and Path(out["report_path"]).is_file()
+    page_html = Path(out["report_path"]).read_text()
+    assert "\x1b" not in page_html.split("<svg", 1)[-1].split("</svg>", 1)[0]

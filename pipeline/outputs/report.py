@@ -342,7 +342,7 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
     """
     import vl_convert as vlc
 
-    spec = _theme(chart).to_dict(validate=False)  # validated as built
+    spec = _xml_safe(_theme(chart).to_dict(validate=False))  # validated as built
     svg = None
     if cache is not None:
         key = hashlib.sha256(json.dumps([vlc.__version__, spec], sort_keys=True, default=str).encode()).hexdigest()
@@ -368,6 +368,25 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
     svg = re.sub(r'href="#([^"]+)"', lambda m: f'href="#{prefix}{m.group(1)}"', svg)
     svg = svg.replace("<svg ", '<svg role="img" ', 1)
     return svg
+
+
+#: Characters XML 1.0 does not allow (C0 controls but tab, newline and return; U+FFFE, U+FFFF;
+#: lone surrogates): vl-convert draws the SVG as XML and panics, aborting the process, on one of
+#: them in a label (a description holding ESC, say).
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff\ud800-\udfff]")
+
+
+def _xml_safe(value: Any) -> Any:
+    """``value`` (a chart's spec) with each character XML does not allow written as its escape
+    (``\\x1b``), as the terminal output shows it."""
+    if isinstance(value, str):
+        return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                            else f"\\u{ord(m.group()):04x}", value)
+    if isinstance(value, dict):
+        return {_xml_safe(k): _xml_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_xml_safe(v) for v in value]
+    return value
 
 
 def _whole_svg(text: str) -> bool:
