@@ -220,6 +220,9 @@ BAD_EMBEDDINGS = [
     ("nested lists", [[0.5]] * 256, "embedding_is_numbers"),
     ("all zeros (no direction: cosine undefined)", [0.0] * 256, "embedding_not_zero"),
     ("all zeros, as a string", json.dumps([0] * 256), "embedding_not_zero"),
+    # outside review: numbers whose squares' sum is 0 or overflows have no length to normalise by
+    ("subnormal values (1e-320): the squares sum to 0", [1e-320] * 256, "embedding_not_zero"),
+    ("huge values (1e308): the squares overflow", [1e308] * 256, "embedding_not_zero"),
 ]
 
 

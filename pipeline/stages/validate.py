@@ -69,9 +69,13 @@ _CHECK_SQL = {
                explanation_id, hash(input_sha256) AS input_key, feature_index,
                coalesce(length(trim(description)), 0) AS description_length,
                embedding_dim, embedding_numeric,
-               -- an all-zero embedding has no direction: a cosine with it is undefined
+               -- an embedding needs a length (norm) to have a direction: all zeros have none, and
+               -- values so small or large that their squares' sum is not a normal double cannot be
+               -- normalised (a cosine with them is undefined: NaN, or 0 for every other feature)
                CASE WHEN embedding IS NOT NULL AND len(embedding) > 0
-                    THEN coalesce(list_bool_or(list_transform(embedding, x -> x <> 0)), false) END AS embedding_not_zero
+                    THEN coalesce(list_sum(list_transform(embedding, x -> x * x))
+                                  BETWEEN 2.2250738585072014e-308 AND 1.7976931348623157e308, false)
+               END AS embedding_not_zero
         FROM stage_explanations""",
 }
 
