@@ -680,6 +680,8 @@ def show_cmd(feature, warehouse, html_path, excerpts, neighbours) -> None:
     (the peak token in [[ ]]) and nearest features."""
     from .outputs import find
 
+    if html_path is not None and (not str(html_path).strip() or str(html_path) in (".", "..") or html_path.is_dir()):
+        raise click.BadParameter(f"{str(html_path)!r} is not a file name", param_hint="--html")
     settings = Settings.from_env(warehouse=warehouse)
     try:
         view = find.show(settings, feature, n_excerpts=excerpts, n_neighbours=neighbours)
@@ -687,8 +689,11 @@ def show_cmd(feature, warehouse, html_path, excerpts, neighbours) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(find.render_text(view))
     if html_path is not None:
-        html_path.parent.mkdir(parents=True, exist_ok=True)
-        html_path.write_text(find.render_html(view), encoding="utf-8")
+        try:
+            html_path.parent.mkdir(parents=True, exist_ok=True)
+            html_path.write_text(find.render_html(view), encoding="utf-8")
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {html_path}: {exc.strerror or exc}") from None
         click.echo(f"html {html_path}")
 
 

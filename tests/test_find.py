@@ -499,3 +499,117 @@ def test_a_leftover_lock_and_two_rebuilds_at_once(lake, tmp_path):
     assert find.refresh_index(settings).mode == "current"
     with find.Finder(settings) as f:
         assert len(f.search("jokes", limit=3)) == 3 and f.similar(f"{MODEL}/{SOURCE}/0", limit=3).rows
+
+
+# --- outside review: diverged copies, non-warehouses, one-line errors, a long-lived Finder, html ---
+
+
+def _penguins(tmp_path: Path, name: str, index: int, description: str) -> Path:
+    page = good_page(index, model="other-model", source="3-res")
+    page["explanations"][0].update(description=description, embedding=_unit(index))
+    return write(tmp_path / f"in-{name}" / "p.json", to_api_json(page))
+
+
+def test_a_diverged_copy_sharing_a_find_dir_is_rebuilt(lake, tmp_path):
+    import shutil
+
+    shared = tmp_path / "shared-find"
+    d1 = Settings(warehouse=tmp_path / "d1", find_dir=shared)
+    d2 = Settings(warehouse=tmp_path / "d2", find_dir=shared)
+    for s in (d1, d2):
+        shutil.copytree(lake[0].warehouse, s.warehouse, ignore=shutil.ignore_patterns("find"))
+    assert find.build_index(d1).mode == "built"
+    run_ingest([_penguins(tmp_path, "d1", 21, "penguins of the first copy")], d1)
+    assert find.refresh_index(d1).mode == "refreshed"
+    run_ingest([_penguins(tmp_path, "d2", 22, "penguins of the second copy")], Settings(warehouse=d2.warehouse))
+    # the same tables, the same snapshot id, other contents
+    meta = find.index_info(d1)
+    assert find.lake_state(d2, int(meta["snapshot_id"])).latest == int(meta["snapshot_id"])
+    assert find.index_info(d2)["same_warehouse"] is False
+    with pytest.raises(find.FindIndexForeign):
+        find.Finder(d2)
+    r = _fh("search", "penguins", "--warehouse", str(d2.warehouse), "--format", "json", FEATUREHOUSE_FIND_DIR=str(shared))
+    assert r.returncode == 0 and "another warehouse" in r.stderr, r.stderr
+    assert [row["feature_index"] for row in json.loads(r.stdout)] == [22]
+    with find.Finder(d2) as f:
+        assert [row[2] for row in f.search("penguins").rows] == [22]
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty"])
+def test_queries_on_a_path_that_is_no_warehouse_leave_nothing(tmp_path, kind):
+    from pipeline.lake import warehouse as warehouse_mod
+
+    wh = tmp_path / "wh"
+    if kind == "empty":
+        wh.mkdir()
+    settings = Settings(warehouse=wh)
+    for call in (lambda: find.Finder(settings), lambda: find.Finder(settings, fresh="refresh"),
+                 lambda: find.refresh_index(settings), lambda: find.show(settings, "m/s/1")):
+        with pytest.raises(warehouse_mod.WarehouseMissing):
+            call()
+    for args in (["search", "jokes"], ["search", "jokes", "--refresh"], ["similar", "m/s/1"], ["by-token", "x"],
+                 ["show", "m/s/1"], ["index"]):
+        r = _fh(*args, "--warehouse", str(wh))
+        assert r.returncode == 1 and "Traceback" not in r.stderr and "no warehouse" in r.stderr, (args, r.stderr)
+    assert not (wh / "find").exists()
+    assert wh.exists() == (kind == "empty")
+
+
+def test_find_folder_and_html_errors_are_one_line(other_lake, tmp_path):
+    import shutil
+
+    wh = tmp_path / "wh"
+    shutil.copytree(other_lake.warehouse, wh, ignore=shutil.ignore_patterns("find"))
+    key = "other-model/5-res/3"
+
+    def one_line(r: subprocess.CompletedProcess, code: int = 1) -> str:
+        assert r.returncode == code and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("Error:"), r.stderr
+        return r.stderr
+
+    (wh / "find").write_text("not a folder")
+    assert "not a folder" in one_line(_fh("search", "penguins", "--warehouse", str(wh)))
+    assert "not a folder" in one_line(_fh("index", "--warehouse", str(wh)))
+    one_line(_fh("search", "penguins", "--warehouse", str(wh), FEATUREHOUSE_FIND_DIR="/etc/passwd"))
+    (wh / "find").unlink()
+    assert "--html" in one_line(_fh("show", key, "--warehouse", str(wh), "--html", ""), 2)
+    one_line(_fh("show", key, "--warehouse", str(wh), "--html", "/proc/version"))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        prefix = []
+        if os.geteuid() == 0:
+            if shutil.which("setpriv") is None:
+                return
+            prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+        r = subprocess.run(prefix + [str(FEATUREHOUSE), "show", key, "--warehouse", str(wh), "--html",
+                                     str(locked / "sub" / "f.html")], capture_output=True, text=True, timeout=120)
+        assert "ermission denied" in one_line(r)
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_long_lived_finder_follows_a_refresh_by_another(lake, tmp_path):
+    settings = _copy(lake, tmp_path)
+    with find.Finder(settings) as f:
+        assert f.search("penguins").rows == [] and f.similar(f"{MODEL}/{SOURCE}/0", limit=2).rows
+        # another process's load (in this one, for speed): the catalog changed, the index not yet
+        run_ingest([_penguins(tmp_path, "p", 31, "penguins on ice")], settings)
+        stale = f.search("penguins")
+        assert stale.rows == [] and "changed since" in stale.note
+        find.refresh_index(settings)  # moves a new index.duckdb over the old one
+        got = f.search("penguins")
+        assert [r[2] for r in got.rows] == [31] and got.note is None
+        assert f.similar("other-model/3-res/31", limit=2).rows[0][4] == "embedding"
+        assert f.by_token("t0_2", limit=2000).note is None
+
+
+def test_show_html_escapes_control_characters_and_isolates_bidi(other_lake):
+    view = find.show(other_lake, "other-model/5-res/3", n_neighbours=0)
+    view.explanations.append({"description": "abc\u202eevil\u2066x", "explanation_model": "m\u202e",
+                              "type_name": None, "has_embedding": False})
+    page = find.render_html(view)
+    assert not any(c in page for c in "\x1b\x07\u202e\u2066")
+    assert "\\x1b[31mred" in page and "\\x1b[2J" in page and "abc\\u202eevil\\u2066x" in page
+    assert "<bdi>penguins" in page and "unicode-bidi: isolate" in page

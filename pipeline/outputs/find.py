@@ -67,7 +67,7 @@ __all__ = [
 log = logging.getLogger("featurehouse")
 
 EMBEDDING_DIM = 256  # records.EMBEDDING_DIM; not imported: the stages pull in the whole ingest
-INDEX_VERSION = 2  # 2: the warehouse's identity and its find tables' fingerprint in meta
+INDEX_VERSION = 3  # 2: the warehouse's identity and its find tables' fingerprint in meta; 3: its snapshot's time
 _F32_MARGIN = 1e-4  # far above float32's error on a cosine of 256 values (~1e-6)
 _FIND_TABLES = ("explanations", "features", "feature_activation_stats", "feature_token_stats")
 _REFRESH_WHOLE_SHARE = 0.25  # past this share of changed features, a refresh builds anew
@@ -88,7 +88,7 @@ class FindIndexForeign(FindIndexMissing):
 
 
 class FindIndexUnwritable(PermissionError):
-    "The find index cannot be built or refreshed: its folder may not be written."
+    "The find index cannot be built or refreshed: its folder may not be written (or is a file)."
 
 
 class FindIndexStale(RuntimeError):
@@ -231,6 +231,29 @@ class LakeState:
     n_changes: int
     identity: str
     fingerprint: str
+    #: when the asked-for snapshot was committed (UTC, ISO), None when the catalog has no such
+    #: snapshot (expired, or not reached): two diverged copies of a warehouse reach the same
+    #: snapshot id with the same table uuids, never at the same microsecond
+    snapshot_time: str | None = None
+
+    def same_as(self, meta: dict[str, str], snapshot_id: int) -> bool:
+        """Whether an index whose metadata is ``meta`` (built at ``snapshot_id``) was built from
+        this warehouse, in this state of its history: the same tables, and the index's snapshot
+        here is the one it read (not a diverged copy's, nor one this warehouse never reached)."""
+        if self.identity != meta.get("warehouse_id") or snapshot_id > self.latest:
+            return False
+        return self.snapshot_time is None or self.snapshot_time == meta.get("snapshot_time")
+
+
+def _utc(value: Any) -> str | None:
+    """A catalog's snapshot time (text from SQLite, a timestamp from DuckDB or PostgreSQL) as
+    one canonical string."""
+    if value is None:
+        return None
+    t = value if isinstance(value, datetime) else datetime.fromisoformat(str(value).strip())
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return t.astimezone(timezone.utc).isoformat()
 
 
 def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = None) -> LakeState:
@@ -243,6 +266,7 @@ def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = N
         "latest": "SELECT max(snapshot_id) FROM {c}ducklake_snapshot",
         "kept": f"SELECT count(*) FROM {{c}}ducklake_snapshot WHERE snapshot_id >= {int(snapshot_id)}",
         "changes": f"SELECT changes_made FROM {{c}}ducklake_snapshot_changes WHERE snapshot_id > {int(snapshot_id)}",
+        "at": f"SELECT snapshot_time FROM {{c}}ducklake_snapshot WHERE snapshot_id = {int(snapshot_id)}",
         # live rows: the live data files' rows less their live deletes (the table's stats
         # count no delete); next row id: moved by every insert; neither by merging files
         "tables": f"""SELECT t.table_name, CAST(t.table_uuid AS VARCHAR),
@@ -283,7 +307,7 @@ def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = N
     if not complete and not n_changes:
         # some of the change feed since the index's snapshot was expired: the fingerprint decides
         n_changes = 0 if fingerprint == now else -1
-    return LakeState(latest, n_changes, identity, now)
+    return LakeState(latest, n_changes, identity, now, _utc(got["at"][0][0]) if got["at"] else None)
 
 
 def lake_changes_since(settings: Settings, snapshot_id: int, fingerprint: str | None = None) -> tuple[int, int]:
@@ -322,6 +346,10 @@ def _build_lock(directory: Path, timeout: float | None = None) -> Iterator[None]
             raise FindIndexUnwritable(f"the find index in {directory} cannot be built or refreshed: permission "
                                       f"denied ({exc.strerror}); `featurehouse index` as a user who may write there, "
                                       "or set FEATUREHOUSE_FIND_DIR to a folder you may write") from None
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):
+            raise FindIndexUnwritable(f"the find index cannot be built in {directory}: it is not a folder "
+                                      f"({exc.strerror}); move the file away or set FEATUREHOUSE_FIND_DIR to a "
+                                      "folder") from None
         raise
     try:
         deadline = time.monotonic() + timeout
@@ -436,6 +464,13 @@ def _lake_rows_sql(keys: str | None) -> dict[str, str]:
 def _snapshot(lake: duckdb.DuckDBPyConnection) -> int:
     (sid,) = lake.execute(f"SELECT id FROM {warehouse_mod.CATALOG}.current_snapshot()").fetchone()
     return int(sid)
+
+
+def _snapshot_time(lake: duckdb.DuckDBPyConnection, snapshot_id: int) -> str | None:
+    """When the snapshot was committed, as :func:`lake_state` reports it (see :func:`_utc`)."""
+    got = lake.execute(f"SELECT CAST(snapshot_time AS VARCHAR) FROM ducklake_snapshots({_literal(warehouse_mod.CATALOG)}) "
+                       f"WHERE snapshot_id = {int(snapshot_id)}").fetchone()
+    return _utc(got[0]) if got else None
 
 
 def _write_matrices(directory: Path, generation: str, lake: duckdb.DuckDBPyConnection, sql: str,
@@ -586,6 +621,7 @@ def _build(settings: Settings, directory: Path, path: Path) -> IndexInfo:
     with warehouse_mod.connect(settings, read_only=True) as lake:
         lake.execute("BEGIN")  # one snapshot for every read
         snapshot = _snapshot(lake)
+        at = _snapshot_time(lake, snapshot)
         queries = _lake_rows_sql(None)
         emb_rows = _write_matrices(directory, generation, lake, queries["emb"], 0, "wb")
         with _connect_index(tmp, read_only=False) as idx:
@@ -594,7 +630,7 @@ def _build(settings: Settings, directory: Path, path: Path) -> IndexInfo:
             _fts(idx)
             _meta(idx, version=INDEX_VERSION, snapshot_id=snapshot, generation=generation,
                   n_rows=emb_rows.num_rows, built_at=datetime.now(timezone.utc).isoformat(),
-                  warehouse_id=state.identity, fingerprint=state.fingerprint)
+                  warehouse_id=state.identity, fingerprint=state.fingerprint, snapshot_time=at)
             counts = _counts(idx)
         lake.execute("COMMIT")
     os.replace(tmp, path)
@@ -627,6 +663,8 @@ def refresh_index(where: Settings | str | os.PathLike, *, full: bool = False) ->
     The nightly and inbox DAGs call this after each load."""
     settings = warehouse_mod.settings_for(where)
     directory, path = _paths(settings)
+    if not warehouse_mod.exists(settings):  # before the lock: nothing made where no warehouse is
+        raise warehouse_mod.WarehouseMissing(f"no warehouse at {settings.warehouse}: run `featurehouse ingest` first")
     try:
         with _build_lock(directory):
             return _refresh_locked(settings, directory, path, full)
@@ -653,7 +691,7 @@ def _current(settings: Settings, directory: Path, path: Path) -> IndexInfo | Non
         counts = _counts(idx)
     since = int(meta["snapshot_id"])
     state = lake_state(settings, since, meta.get("fingerprint"))
-    if state.identity != meta.get("warehouse_id") or state.n_changes:
+    if not state.same_as(meta, since) or state.n_changes:
         return None
     return IndexInfo(since, "current", *counts, n_changed_features=0, seconds=time.monotonic() - t0)
 
@@ -671,8 +709,8 @@ def _refresh_locked(settings: Settings, directory: Path, path: Path, full: bool)
         counts = _counts(idx)
     since = int(meta["snapshot_id"])
     state = lake_state(settings, since, meta.get("fingerprint"))
-    if state.identity != meta.get("warehouse_id"):
-        log.warning("find index: building anew (%s was built from another warehouse)", path)
+    if not state.same_as(meta, since):
+        log.warning("find index: building anew (%s was built from another warehouse, or another copy of it)", path)
         return _build(settings, directory, path)
     if state.n_changes == 0:
         return IndexInfo(since, "current", *counts, n_changed_features=0, seconds=time.monotonic() - t0)
@@ -696,6 +734,7 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
     with warehouse_mod.connect(settings, read_only=True) as lake:
         lake.execute("BEGIN")
         snapshot = _snapshot(lake)
+        at = _snapshot_time(lake, snapshot)
         parts = []
         for t in _FIND_TABLES:
             parts.append(f"""SELECT model_id, source_id, feature_index
@@ -729,7 +768,8 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
                 _load_rows(idx, lake, queries, emb_rows)
                 idx.execute(_FTS_UPDATE)
                 _meta(idx, snapshot_id=snapshot, n_rows=n_rows + emb_rows.num_rows,
-                      refreshed_at=datetime.now(timezone.utc).isoformat(), fingerprint=state.fingerprint)
+                      refreshed_at=datetime.now(timezone.utc).isoformat(), fingerprint=state.fingerprint,
+                      snapshot_time=at)
                 counts = _counts(idx)
             os.replace(tmp, path)
         finally:
@@ -748,7 +788,7 @@ def index_info(where: Settings | str | os.PathLike) -> dict[str, Any]:
     state = lake_state(settings, int(meta["snapshot_id"]), meta.get("fingerprint"))
     return {**meta, "n_features": counts[0], "n_explanations": counts[1], "n_embeddings": counts[2],
             "lake_snapshot_id": state.latest, "changes_since": state.n_changes, "path": str(path),
-            "same_warehouse": state.identity == meta.get("warehouse_id")}
+            "same_warehouse": state.same_as(meta, int(meta["snapshot_id"]))}
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -773,6 +813,11 @@ class Finder:
             raise ValueError("fresh is one of: warn, refresh, error")
         self.settings = warehouse_mod.settings_for(where)
         self.directory, self.path = _paths(self.settings)
+        self.fresh = fresh
+        # a path that is no warehouse: said before anything is made there (no find/.lock)
+        if not warehouse_mod.exists(self.settings):
+            raise warehouse_mod.WarehouseMissing(
+                f"no warehouse at {self.settings.warehouse}: run `featurehouse ingest` first")
         unwritable: FindIndexUnwritable | None = None
         if fresh == "refresh":
             try:
@@ -780,38 +825,85 @@ class Finder:
             except FindIndexUnwritable as exc:  # answered from the index as it is, if current
                 unwritable = exc
         if not self.path.exists():
-            if not warehouse_mod.exists(self.settings):
-                raise warehouse_mod.WarehouseMissing(
-                    f"no warehouse at {self.settings.warehouse}: run `featurehouse ingest` first")
             if unwritable is not None:
                 raise unwritable
             raise FindIndexMissing(
                 f"no find index for the warehouse at {self.settings.warehouse}: build it with "
                 "`featurehouse index` (ingest refreshes it from then on)")
-        self.conn, self.meta = _open_index(self.directory, self.path)
+        self.conn, self.meta, self.snapshot_id, self.note, self._stamp = self._open(unwritable)
         self._matrix: tuple | None = None
+
+    def _stamp_now(self) -> tuple:
+        """What tells a replaced index file (a refresh's os.replace) and a changed catalog apart
+        from the ones this Finder opened: their inode, size and modification time."""
+        def stat(p: Path) -> tuple | None:
+            try:
+                st = os.stat(p)
+            except OSError:
+                return None
+            return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+        catalog = (Path(self.settings.catalog_url.removeprefix("sqlite:"))
+                   if self.settings.catalog_kind == "sqlite" else None)
+        return (stat(self.path),
+                *((stat(catalog), stat(Path(f"{catalog}-wal"))) if catalog is not None else ()))
+
+    def _open(self, unwritable: FindIndexUnwritable | None = None):
+        """The index file opened and checked against the warehouse: (conn, meta, snapshot id,
+        note, stamp). Raises as the constructor documents."""
+        stamp = self._stamp_now()
+        conn, meta = _open_index(self.directory, self.path)
         try:
-            self.snapshot_id = int(self.meta["snapshot_id"])
-            self.note: str | None = None
-            state = lake_state(self.settings, self.snapshot_id, self.meta.get("fingerprint"))
-            if state.identity != self.meta.get("warehouse_id"):
-                raise FindIndexForeign(
-                    f"the find index in {self.directory} was built from another warehouse than the one at "
-                    f"{self.settings.warehouse} (a shared FEATUREHOUSE_FIND_DIR?): `featurehouse index` builds "
-                    "it for this one")
-            if state.n_changes:
-                what = (f"{state.n_changes} commit(s) up to snapshot {state.latest}" if state.n_changes > 0 else
-                        f"up to snapshot {state.latest}; the history in between was expired")
-                self.note = (f"the find index was built from snapshot {self.snapshot_id} and the warehouse has "
-                             f"changed since ({what}): the answer may be out of date; run `featurehouse index` "
-                             "(or pass --refresh)")
+            snapshot_id = int(meta["snapshot_id"])
+            note, check = self._check(meta, snapshot_id)
+            if note is not None:
                 if unwritable is not None:
-                    raise FindIndexUnwritable(f"{unwritable}; {self.note}")
-                if fresh == "error":
-                    raise FindIndexStale(self.note)
+                    raise FindIndexUnwritable(f"{unwritable}; {note}")
+                check()
         except BaseException:
-            self.conn.close()
+            conn.close()
             raise
+        return conn, meta, snapshot_id, note, stamp
+
+    def _check(self, meta: dict[str, str], snapshot_id: int):
+        """(the note for an index older than the warehouse or None, a function raising
+        FindIndexStale when fresh="error"); FindIndexForeign for another warehouse's index."""
+        state = lake_state(self.settings, snapshot_id, meta.get("fingerprint"))
+        if not state.same_as(meta, snapshot_id):
+            raise FindIndexForeign(
+                f"the find index in {self.directory} was built from another warehouse than the one at "
+                f"{self.settings.warehouse} (a shared FEATUREHOUSE_FIND_DIR? a copy of the warehouse that has "
+                "loaded other pages since?): `featurehouse index` builds it for this one")
+        note = None
+        if state.n_changes:
+            what = (f"{state.n_changes} commit(s) up to snapshot {state.latest}" if state.n_changes > 0 else
+                    f"up to snapshot {state.latest}; the history in between was expired")
+            note = (f"the find index was built from snapshot {snapshot_id} and the warehouse has "
+                    f"changed since ({what}): the answer may be out of date; run `featurehouse index` "
+                    "(or pass --refresh)")
+
+        def check() -> None:
+            if self.fresh == "error":
+                raise FindIndexStale(note)
+        return note, check
+
+    def _follow(self) -> None:
+        """Before each query: when another process replaced the index file (a refresh after its
+        load) or committed to the catalog since, reopen it or say anew whether it is current.
+        One stat per file when nothing changed."""
+        stamp = self._stamp_now()
+        if stamp == self._stamp:
+            return
+        if stamp[0] != self._stamp[0]:
+            conn, meta, snapshot_id, note, stamp = self._open()
+            old, self.conn = self.conn, conn
+            self.meta, self.snapshot_id, self.note, self._stamp, self._matrix = meta, snapshot_id, note, stamp, None
+            old.close()
+        else:
+            note, check = self._check(self.meta, self.snapshot_id)
+            self.note, self._stamp = note, stamp
+            if note is not None:
+                check()
 
     def close(self) -> None:
         self.conn.close()
@@ -830,6 +922,7 @@ class Finder:
         """Explanations whose description matches ``query`` (BM25 over Porter-stemmed words;
         a "quoted phrase" must also appear as written, case aside), best first."""
         limit = _check_limit(limit)
+        self._follow()
         if not isinstance(query, str) or not query.replace('"', " ").strip():
             raise ValueError("the search query is empty: give one or more words, or a \"quoted phrase\"")
         phrases = [p.strip() for p in re.findall(r'"([^"]*)"', query) if p.strip()]
@@ -920,6 +1013,7 @@ class Finder:
         import numpy as np
 
         limit = _check_limit(limit)
+        self._follow()
         fid = self._fid(key)
         m32, m64, rows, fids, n_fids = self._matrices()
         mine = rows[fids == fid]
@@ -1010,6 +1104,7 @@ class Finder:
         activation on it, with how many excerpts peak on it. ``ignore_case`` folds case;
         ``strip`` ignores a leading space, ``▁`` or ``Ġ`` (on both sides)."""
         limit = _check_limit(limit)
+        self._follow()
         column = "token" + ("_lower" if ignore_case else "") + ("_strip" if strip else "")
         wanted = token.lstrip(_LEADING) if strip else token
         wanted = wanted.lower() if ignore_case else wanted
@@ -1173,8 +1268,15 @@ def _render_text(view: FeatureView) -> str:
 def render_html(view: FeatureView) -> str:
     """``show``'s answer as one self-contained HTML page (no script, no external file): each
     excerpt's tokens shaded by their activation relative to the feature's largest, the peak
-    token outlined, the value in each token's title."""
-    esc = html.escape
+    token outlined, the value in each token's title. Text from the warehouse is escaped for
+    HTML, its control characters and bidirectional overrides written as visible escapes (as
+    :func:`printable` prints them), and isolated (``<bdi>``, ``unicode-bidi: isolate``) so a
+    right-to-left run cannot reorder what stands around it."""
+    def esc(text: Any) -> str:  # in an attribute or the title
+        return html.escape(printable(str(text)))
+
+    def bdi(text: Any) -> str:  # in the page's text
+        return f"<bdi>{esc(text)}</bdi>"
     top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
     parts = [f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <title>{esc(view.key)} — featurehouse</title>
@@ -1183,25 +1285,25 @@ body {{ font: 15px/1.5 system-ui, sans-serif; margin: 2rem; color: #1d1d1f; max-
 h1 {{ font-size: 1.3rem; }} h2 {{ font-size: 1.05rem; margin-top: 1.6rem; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: .2rem .6rem; border-bottom: 1px solid #ddd; text-align: left; }}
 .excerpt {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; margin: .4rem 0; padding: .3rem; border: 1px solid #eee; }}
-.tok {{ border-radius: 2px; }} .peak {{ outline: 2px solid #b3261e; }}
+.tok {{ border-radius: 2px; unicode-bidi: isolate; }} bdi, code {{ unicode-bidi: isolate; }} .peak {{ outline: 2px solid #b3261e; }}
 .note {{ color: #8a5a00; }}
 </style></head><body>
-<h1>Feature {esc(view.key)}</h1>"""]
+<h1>Feature {bdi(view.key)}</h1>"""]
     f = view.feature or {}
     if f:
         parts.append(f"<p>Max activation (approx.) {esc(str(f.get('max_act_approx')))}; firing density "
                      f"{esc(str(f.get('frac_nonzero')))}.</p>")
         if f.get("pos_str"):
-            parts.append("<p>Top positive logits: " + ", ".join(f"<code>{esc(t)}</code>" for t in f["pos_str"][:10]) + "</p>")
+            parts.append("<p>Top positive logits: " + ", ".join(f"<code>{bdi(t)}</code>" for t in f["pos_str"][:10]) + "</p>")
     parts.append("<h2>Statistics per data source</h2><table><tr><th>data source</th><th>excerpts</th>"
                  "<th>max activation</th><th>mean peak</th><th>active tokens</th><th>top tokens</th></tr>")
     for s in view.stats:
-        parts.append(f"<tr><td>{esc(s['data_source'] or '(none)')}</td><td>{s['n_examples']}</td><td>{s['max_activation']}</td>"
+        parts.append(f"<tr><td>{bdi(s['data_source'] or '(none)')}</td><td>{s['n_examples']}</td><td>{s['max_activation']}</td>"
                      f"<td>{s['mean_max_activation']}</td><td>{s['n_active_tokens']}</td>"
-                     f"<td>{esc(', '.join(s['top_tokens'] or []))}</td></tr>")
+                     f"<td>{', '.join(bdi(t) for t in s['top_tokens'] or [])}</td></tr>")
     parts.append("</table><h2>Explanations</h2><ul class=\"explanations\">")
     for e in view.explanations:
-        parts.append(f"<li>{esc((e['description'] or '').strip())} <small>({esc(e['explanation_model'] or '?')})</small></li>")
+        parts.append(f"<li>{bdi((e['description'] or '').strip())} <small>({bdi(e['explanation_model'] or '?')})</small></li>")
     parts.append("</ul><h2>Top excerpts</h2>")
     for e in view.excerpts:
         spans = []
@@ -1214,11 +1316,11 @@ table {{ border-collapse: collapse; }} td, th {{ padding: .2rem .6rem; border-bo
     parts.append("<h2>Nearest features</h2><table class=\"neighbours\"><tr><th>feature</th><th>similarity</th>"
                  "<th>basis</th><th>description</th></tr>")
     for m, s, i, sim, basis, d in (view.neighbours.rows if view.neighbours is not None else []):
-        parts.append(f"<tr><td>{esc(f'{m}/{s}/{i}')}</td><td>{sim:.4f}</td><td>{basis}</td><td>{esc((d or '').strip())}</td></tr>")
+        parts.append(f"<tr><td>{bdi(f'{m}/{s}/{i}')}</td><td>{sim:.4f}</td><td>{esc(basis)}</td><td>{bdi((d or '').strip())}</td></tr>")
     if view.neighbours is None or not view.neighbours.rows:
         parts.append('<tr><td colspan="4">(no other feature to compare it with)</td></tr>')
     parts.append("</table>")
     if view.note:
-        parts.append(f'<p class="note">{esc(view.note)}</p>')
+        parts.append(f'<p class="note">{bdi(view.note)}</p>')
     parts.append("</body></html>\n")
     return "\n".join(parts)
