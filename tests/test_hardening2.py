@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import io
 import json
-import contextlib
 import os
 import shutil
 import subprocess

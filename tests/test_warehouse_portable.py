@@ -177,10 +177,9 @@ def test_a_copied_or_moved_warehouse_ingests_its_own_fetched_pages_and_fetches_n
     original's landing files (gone when the original was removed: "missing; fetch again"), and a
     moved warehouse fetched every page again. Bodies are now found by digest in the warehouse's
     own landing area."""
+    from pipeline.sources.fetch import fetch_features, ingest_fetched
     from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
     from tests.fetch_support import FAST, MODEL, SOURCE, pages
-
-    from pipeline.sources.fetch import fetch_features, ingest_fetched
 
     original, copy, moved = tmp_path / "wh", tmp_path / "wh-copy", tmp_path / "wh-moved"
     with FakeNeuronpedia(pages=pages(5)) as np:

@@ -30,8 +30,8 @@ import duckdb
 
 from ..config import Settings
 from ..lake import runstate
-from ..lake.landing import disk_full
 from ..lake import warehouse as warehouse_mod
+from ..lake.landing import disk_full
 from ..names import BadRunId, check_run_id
 from ..stages import validate
 
