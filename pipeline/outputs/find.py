@@ -1217,11 +1217,12 @@ def show(where: Settings | str | os.PathLike, key: str, *, n_excerpts: int = 5, 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
-def printable(text: str) -> str:
+def printable(text: str, chars: re.Pattern[str] = _CONTROL) -> str:
     """``text`` safe to print on a terminal: control characters (an escape sequence in a
     description or a token would move the cursor, recolour, retitle the window) and the
-    bidirectional overrides written as ``\\xHH``/``\\uHHHH``; tabs and newlines are left to the caller."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
+    bidirectional overrides written as ``\\xHH``/``\\uHHHH``; tabs and newlines are left to the caller.
+    ``chars``: another set of characters to write so (the report's chart text: those XML refuses)."""
+    return chars.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text)
 
 
 def render_text(view: FeatureView) -> str:

@@ -380,8 +380,9 @@ def _xml_safe(value: Any) -> Any:
     """``value`` (a chart's spec) with each character XML does not allow written as its escape
     (``\\x1b``), as the terminal output shows it."""
     if isinstance(value, str):
-        return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                            else f"\\u{ord(m.group()):04x}", value)
+        from .find import printable  # one way of writing a character as its escape
+
+        return printable(value, _NOT_XML)
     if isinstance(value, dict):
         return {_xml_safe(k): _xml_safe(v) for k, v in value.items()}
     if isinstance(value, list):
