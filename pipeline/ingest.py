@@ -178,6 +178,10 @@ class _Run:
         self.settings = settings
         self.summary = summary
         self.reprocess = reprocess
+        self.cores = int(conn.execute("SELECT current_setting('threads')").fetchone()[0])
+        self.threads = self.cores
+        self.n_bytes = 0  # input bytes of the batches flushed so far
+        self.use_threads(0)  # the run's bookkeeping is small statements: one thread
         self.scratch = settings.warehouse / ".tmp" / f"pages-{uuid.uuid4().hex}"
         # parts of one run number their batches apart: part i's are i * PART_BATCHES + 1, + 2, ...
         self.batch_no = (summary.part or 0) * PART_BATCHES
@@ -199,11 +203,24 @@ class _Run:
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
         self._stored: Future | None = None
 
+    def use_threads(self, n_bytes: int) -> None:
+        """Give DuckDB one worker thread per ``settings.bytes_per_thread`` of the ``n_bytes`` of
+        input in hand, at least one, at most one per core: worker threads spin on the many small
+        statements of a small batch (measured: one page 3.1 s of CPU on two threads, 2.0 s on
+        one, in less time) and only pay off on large reads and writes."""
+        per = self.settings.bytes_per_thread
+        want = self.cores if per <= 0 else max(1, min(self.cores, n_bytes // per))
+        if want != self.threads:
+            self.conn.execute(f"SET threads = {int(want)}")
+            self.threads = want
+
     def flush(self, batch: _Batch) -> None:
         """The batch through the stages: read (DuckDB, or Python for what DuckDB cannot read) →
         stage → validate → load, one commit."""
         if not len(batch):
             return
+        self.n_bytes += batch.n_bytes
+        self.use_threads(batch.n_bytes)
         self._settle_again(batch)
         if not (batch.inputs or batch.fast or any(batch.exports.values())):
             # Only inputs landed before (an unchanged re-run): nothing to parse, validate or load,
@@ -674,6 +691,7 @@ def ingest(
                 bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
             run.flush(batch)
         run.close()
+        run.use_threads(run.n_bytes)  # the statistics and the report: as large as the run
         summary.status = "succeeded"
     except BaseException as exc:
         summary.status = "failed"

@@ -213,3 +213,28 @@ def test_an_export_batch_over_the_input_limit_is_streamed_not_refused(tmp_path):
     bomb = Settings(warehouse=tmp_path / "wh2.duckdb", max_input_bytes=100, max_decompressed_bytes=1000)
     refused = run_ingest([path], bomb)
     assert refused.n_rejected == 1 and "FEATUREHOUSE_MAX_DECOMPRESSED_BYTES" in refused.rejected[0]["reason"]
+
+
+@pytest.mark.parametrize("bytes_per_thread, threads", [(None, "one"), (1, "every core"), (0, "every core")])
+def test_duckdb_gets_one_thread_per_bytes_per_thread_of_the_batch(tmp_path, monkeypatch, bytes_per_thread, threads):
+    """A one-page batch runs on one DuckDB thread by default (worker threads only spin on its
+    small statements); FEATUREHOUSE_BYTES_PER_THREAD small enough, or 0, gives it every core."""
+    import duckdb
+
+    from pipeline.config import Settings
+    from pipeline.stages import materialise
+
+    seen = []
+    refresh = materialise.refresh_changed
+
+    def spy(conn, **kw):  # runs inside the batch's load, on the ingest's connection
+        seen.append(conn.execute("SELECT current_setting('threads')").fetchone()[0])
+        return refresh(conn, **kw)
+
+    monkeypatch.setattr(materialise, "refresh_changed", spy)
+    if bytes_per_thread is not None:
+        monkeypatch.setenv("FEATUREHOUSE_BYTES_PER_THREAD", str(bytes_per_thread))
+    summary = run_ingest([SEED_FLIGHT], Settings.from_env(warehouse=tmp_path / "wh"))
+    assert summary.n_loaded == 1
+    cores = duckdb.connect().execute("SELECT current_setting('threads')").fetchone()[0]
+    assert seen == [1 if threads == "one" else cores]
