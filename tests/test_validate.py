@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import orjson
 import pytest
@@ -208,3 +209,68 @@ def test_a_record_with_a_missing_key_part_is_still_named(bad_run):
                                "AND record_key LIKE '%-204-0'")[0]
     assert detail == "the activation belongs to feature gpt-oss-20b/validate-src/?, but its page is gpt-oss-20b/validate-src/204"
 
+
+
+def _stored(root, outcome, validate) -> dict[str, bytes]:
+    """The files ``store_results`` writes for ``outcome`` under ``root``, path → bytes."""
+    import datetime
+
+    validate.store_results(root, "run-memo", 1, datetime.datetime(2026, 1, 2, 3, 4, 5), outcome)
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted((root / "gx" / "uncommitted" / "validations").rglob("*.json"))}
+
+
+def test_memoised_configurations_change_no_result(tmp_path, monkeypatch):
+    """Validation with the memoised ``Expectation.configuration`` (``MEMOISE_GX``) decides, and
+    stores, exactly what Great Expectations as shipped does: the seed fixture (one bad
+    activation), every crafted bad record and the good pages, each batch validated both ways."""
+    from great_expectations.expectations.expectation import Expectation
+
+    from pipeline.stages import validate
+
+    validate._gx()
+    assert getattr(Expectation.__dict__["configuration"].fget, "_featurehouse_memo", False)
+    pairs = []
+    real = validate.validate_batch
+
+    def both(conn, staged):
+        monkeypatch.setattr(validate, "MEMOISE_GX", False)
+        plain = real(conn, staged)
+        monkeypatch.setattr(validate, "MEMOISE_GX", True)
+        fast = real(conn, staged)
+        pairs.append((plain, fast))
+        return fast
+
+    monkeypatch.setattr(validate, "validate_batch", both)
+    seed = sorted((Path(__file__).parent / "fixtures").iterdir())
+    crafted = [write(tmp_path / "in" / f"{name}.json", data) for name, (data, _) in CASES.items()]
+    crafted += [write(tmp_path / "in" / f"zz_good_{i}.json", data) for i, data in enumerate(GOOD)]
+    for n, paths in enumerate([seed, crafted]):
+        summary = run_ingest(paths, Settings(warehouse=tmp_path / f"wh{n}"))
+        assert summary.status == "succeeded", summary
+    assert len(pairs) >= 2
+    assert len(pairs[0][0].quarantine) == 1  # the seed's one bad activation
+    assert {q["check_name"] for p, _ in pairs for q in p.quarantine} >= set(CASES)
+    assert any(r["success"] for r in pairs[0][0].results)
+    for i, (plain, fast) in enumerate(pairs):
+        assert fast.quarantine == plain.quarantine
+        assert fast.results == plain.results
+        assert json.dumps(fast.results, sort_keys=True) == json.dumps(plain.results, sort_keys=True)
+        assert fast.gx_results.keys() == plain.gx_results.keys()
+        for table in plain.gx_results:
+            # The batch's load time differs between two validations of it, by design.
+            for r in (plain.gx_results[table], fast.gx_results[table]):
+                r.meta["batch_markers"]["ge_load_time"] = "(load time)"
+        assert _stored(tmp_path / f"plain{i}", plain, validate) == _stored(tmp_path / f"fast{i}", fast, validate)
+
+
+def test_configuration_memo_is_skipped_when_great_expectations_differs(monkeypatch):
+    """Another shape of ``Expectation.configuration`` (here: none) leaves it unpatched."""
+    from great_expectations.expectations.expectation import Expectation
+
+    from pipeline.stages import validate
+
+    validate._gx()
+    monkeypatch.delattr(Expectation, "configuration")
+    assert validate._memo_configurations() is False
+    assert "configuration" not in Expectation.__dict__
