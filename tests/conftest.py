@@ -25,11 +25,24 @@ META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quaranti
                 "captured_at")
 
 
+#: Seconds a module's tests took together (fresh clone, 2 cores, 2026-12-01), rounded: only
+#: orders the groups xdist hands out, longest first, so the two workers end together. A module
+#: not listed counts half a second a test; a test marked ``heavy`` counts its own seconds.
+MODULE_SECONDS = {
+    "test_airflow_dags_test": 240, "test_sql_readonly": 160, "test_golden": 80, "test_ingest": 75,
+    "test_found_from_outside": 75, "test_warehouse_portable": 75, "test_hardening2": 60, "test_find": 60,
+    "test_timezones": 55, "test_inbox": 50, "test_report": 50, "test_cli": 50, "test_sql_sandbox": 45,
+    "test_fetch": 45, "test_lakehouse": 45, "test_dags": 40, "test_rerun_cost": 40, "test_fetch_exports": 35,
+    "test_bad_inputs": 35, "test_every_field": 35, "test_snapshots": 30, "test_review17": 25,
+}
+
+
 def _weight(item) -> float:
     mark = item.get_closest_marker("heavy")
     return float(mark.args[0]) if mark and mark.args else 0.0
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks set here
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist's ``--dist loadgroup`` (``make test``) a module's tests stay together on
     one worker, so its module-scoped fixtures (a warehouse ingested once, an Airflow home) are
@@ -37,14 +50,30 @@ def pytest_collection_modifyitems(config, items):
 
     A test marked ``@pytest.mark.heavy(seconds)`` (a minute of real processes, say) is a group
     of its own, so two of them run on two workers at once rather than one after another in their
-    module's group; and the heaviest go first (``--no-loadscope-reorder`` keeps this order when
-    xdist hands groups out), so the workers end together instead of one finishing a long test
-    alone at the end. ``heavy`` on a module only orders it."""
+    module's group. Groups go out longest first (``--no-loadscope-reorder`` keeps this order
+    when xdist hands them out: ``heavy`` seconds, else ``MODULE_SECONDS``), so the workers end
+    together instead of one finishing a long group alone at the end."""
+    seconds: dict[str, float] = {}
     for item in items:
         if not item.get_closest_marker("xdist_group"):
             own = any(m.name == "heavy" for m in item.own_markers)
             item.add_marker(pytest.mark.xdist_group(item.nodeid if own else item.module.__name__))
-    items.sort(key=lambda item: -_weight(item))  # stable: the rest keep their order
+        group = item.get_closest_marker("xdist_group").args[0]
+        module = item.module.__name__.rpartition(".")[2]
+        seconds[group] = _weight(item) if group == item.nodeid else MODULE_SECONDS.get(
+            module, seconds.get(group, 0.0) + 0.5)
+    items.sort(key=lambda item: -seconds[item.get_closest_marker("xdist_group").args[0]])  # stable
+
+
+def pytest_collection_finish(session):
+    """Fail at once where pytest-xdist did not apply the groups: pytest 9 derives a test's id
+    from another attribute than the one xdist 3.8 appends ``@group`` to, and then every test was
+    a group of its own — module fixtures built again on each worker (pyproject pins pytest < 9)."""
+    config = session.config
+    if getattr(config.option, "loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup did not group the tests (pytest {pytest.__version__}): "
+            "module fixtures would be built on every worker")
 
 
 def _find(obj, key):
