@@ -235,3 +235,30 @@ def test_a_postgresql_catalog_with_two_writers_and_a_reader(tmp_path):
                "--format", "json", env=env)
         assert r.returncode == 0 and '"n_activations": 40' in r.stdout, r.stderr
 
+
+
+def test_writers_starting_at_once_on_a_new_warehouse_all_open_it(tmp_path):
+    """Eight threads open one new warehouse at once, as the nightly DAG's mapped ingests do on a
+    first night: one makes it, the others wait for it. A look at the catalog while it was being
+    made used to fail ("attempt to write a readonly database", said as a read-only copy) in about
+    one round in eight; each round here is a new warehouse."""
+    import threading
+
+    for round_no in range(6):
+        settings = Settings(warehouse=tmp_path / f"wh{round_no}")
+        start, errors = threading.Barrier(8), []
+
+        def open_it(settings=settings, start=start, errors=errors):
+            start.wait(timeout=60)
+            try:
+                wh.connect(settings, create=True).close()
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=open_it) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert errors == [], errors[0]
+        assert query(settings, "SELECT count(*) FROM runs") == [(0,)]

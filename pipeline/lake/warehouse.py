@@ -228,18 +228,23 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
         return False, None  # an empty file is an SQLite database without tables
     own = conn is None
     probe = _duckdb(["sqlite_scanner"]) if own else conn
-    attached = False
+    # A catalog another process or thread is making right now (its file written, its write-ahead
+    # log index not yet) refuses a read-only look with "attempt to write a readonly database";
+    # where this user may write the catalog and its folder that passes: look again, for 10 s.
+    deadline = time.monotonic() + 10
     try:
-        probe.execute(f"ATTACH '{_q(str(path))}' AS catalog_probe (TYPE sqlite, READ_ONLY)")
-        attached = True
-        tables = {t for (t,) in probe.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE database_name = 'catalog_probe' "
-            "AND table_name IN ('ducklake_snapshot', 'ducklake_metadata')").fetchall()}
-        if "ducklake_snapshot" not in tables:
-            return False, None
-        row = probe.execute("SELECT value FROM catalog_probe.ducklake_metadata WHERE key = 'data_path' "
-                            "AND scope IS NULL").fetchone() if "ducklake_metadata" in tables else None
-        return True, (row[0] if row else None)
+        while True:
+            try:
+                return _probe_catalog(probe, path)
+            except duckdb.Error as exc:
+                if not ("readonly database" in str(exc) and time.monotonic() < deadline
+                        and os.access(path.parent, os.W_OK) and os.access(path, os.W_OK)):
+                    raise
+            finally:
+                if not own:
+                    with contextlib.suppress(duckdb.Error):
+                        probe.execute("DETACH DATABASE IF EXISTS catalog_probe")
+            time.sleep(0.05)
     except duckdb.Error as exc:
         said = (str(exc).strip() or type(exc).__name__).splitlines()[0]
         with contextlib.suppress(OSError):
@@ -260,8 +265,20 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
     finally:
         if own:
             probe.close()
-        elif attached:
-            probe.execute("DETACH catalog_probe")
+
+
+def _probe_catalog(probe: duckdb.DuckDBPyConnection, path: Path) -> tuple[bool, str | None]:
+    """``_catalog_state``'s look at an SQLite catalog file, through ``probe`` (attached as
+    ``catalog_probe``; the caller detaches it)."""
+    probe.execute(f"ATTACH '{_q(str(path))}' AS catalog_probe (TYPE sqlite, READ_ONLY)")
+    tables = {t for (t,) in probe.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE database_name = 'catalog_probe' "
+        "AND table_name IN ('ducklake_snapshot', 'ducklake_metadata')").fetchall()}
+    if "ducklake_snapshot" not in tables:
+        return False, None
+    row = probe.execute("SELECT value FROM catalog_probe.ducklake_metadata WHERE key = 'data_path' "
+                        "AND scope IS NULL").fetchone() if "ducklake_metadata" in tables else None
+    return True, (row[0] if row else None)
 
 
 # --- where the data files are -------------------------------------------------------------------
