@@ -16,6 +16,9 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from pipeline.config import Settings
 from pipeline.lake import warehouse
@@ -144,3 +147,17 @@ def test_the_sandboxed_connection_alone_refuses_escapes(wh, target, sql):
     finally:
         conn.close()
     assert not target.exists() and not (target.parent / "other.duckdb").exists()
+
+
+_SQLISH = ["'", "''", "\\", "\\'", "E'", "$$", "$a$", "--", "/*", "*/", ";", "?", "$1", "\n", "\r", "\t",
+           "SELECT 1", "COPY t TO 'x'", "é", "\u202e", "\U0001f600", "\x1b", "\ufeff", "\x7f"]
+
+
+@given(st.lists(st.one_of(st.sampled_from(_SQLISH), st.text(max_size=8)), max_size=12).map("".join))
+@hyp_settings(max_examples=300, deadline=None)
+def test_the_statement_check_parses_exactly_the_text_it_was_given(text):
+    """The check serialises the statement as an SQL literal (a bound parameter would import
+    pandas); for any text DuckDB's parser must see the same statement as when it is bound."""
+    conn = duckdb.connect()
+    bound = conn.execute("SELECT json_serialize_sql(?)", [text]).fetchone()[0]
+    assert warehouse._serialized_json(conn, text) == bound

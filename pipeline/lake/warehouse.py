@@ -830,12 +830,18 @@ READ_ONLY_HELP = (
 )
 
 
+def _serialized_json(conn: duckdb.DuckDBPyConnection, sql: str) -> str:
+    """DuckDB's ``json_serialize_sql`` of ``sql``: given as a literal, because a bound parameter
+    makes DuckDB's Python client import pandas (0.5 s a command); a NUL, which no literal can
+    hold, is bound (tests/test_sql_sandbox.py checks both parse the same for any text)."""
+    if "\0" in sql:
+        return conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0]
+    return conn.execute(f"SELECT json_serialize_sql('{_q(sql)}')").fetchone()[0]
+
+
 def _serialized(conn: duckdb.DuckDBPyConnection, sql: str) -> list[dict] | None:
     """The statements' trees from DuckDB's parser, or None when they are not all SELECTs."""
-    if "\0" in sql:  # not in a literal: DuckDB's own binding of it
-        tree = orjson.loads(conn.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
-    else:  # a literal: a bound parameter makes DuckDB's Python client import pandas (0.5 s a command)
-        tree = orjson.loads(conn.execute(f"SELECT json_serialize_sql('{_q(sql)}')").fetchone()[0])
+    tree = orjson.loads(_serialized_json(conn, sql))
     return None if tree.get("error") else tree["statements"]
 
 
