@@ -37,6 +37,11 @@ MODULE_SECONDS = {
 }
 
 
+def _group(item) -> str:
+    mark = item.get_closest_marker("xdist_group")  # xdist_group("x") or xdist_group(name="x")
+    return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+
+
 def _weight(item) -> float:
     mark = item.get_closest_marker("heavy")
     return float(mark.args[0]) if mark and mark.args else 0.0
@@ -58,11 +63,11 @@ def pytest_collection_modifyitems(config, items):
         if not item.get_closest_marker("xdist_group"):
             own = any(m.name == "heavy" for m in item.own_markers)
             item.add_marker(pytest.mark.xdist_group(item.nodeid if own else item.module.__name__))
-        group = item.get_closest_marker("xdist_group").args[0]
+        group = _group(item)
         module = item.module.__name__.rpartition(".")[2]
         seconds[group] = _weight(item) if group == item.nodeid else MODULE_SECONDS.get(
             module, seconds.get(group, 0.0) + 0.5)
-    items.sort(key=lambda item: -seconds[item.get_closest_marker("xdist_group").args[0]])  # stable
+    items.sort(key=lambda item: -seconds[_group(item)])  # stable
 
 
 def pytest_collection_finish(session):

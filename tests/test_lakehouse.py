@@ -262,3 +262,29 @@ def test_writers_starting_at_once_on_a_new_warehouse_all_open_it(tmp_path):
             t.join(timeout=120)
         assert errors == [], errors[0]
         assert query(settings, "SELECT count(*) FROM runs") == [(0,)]
+
+
+@pytest.mark.parametrize("own_connection", [True, False])
+def test_a_catalog_said_read_only_while_being_made_is_looked_at_again(tmp_path, monkeypatch, own_connection):
+    """SQLite's ATTACH is lazy: "attempt to write a readonly database" comes after the probe's
+    name is taken. Looked at again, the probe attaches anew, on its own connection or on the one
+    being opened (the second once failed with "catalog_probe already exists", said as a damaged
+    catalog to move away)."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([SEED_FLIGHT], settings)
+    probe, calls = wh._probe_catalog, []
+
+    def once_read_only(conn, path):
+        calls.append(path)
+        if len(calls) == 1:
+            conn.execute(f"ATTACH '{path}' AS catalog_probe (TYPE sqlite, READ_ONLY)")
+            raise duckdb.IOException("attempt to write a readonly database")
+        return probe(conn, path)
+
+    monkeypatch.setattr(wh, "_probe_catalog", once_read_only)
+    conn = None if own_connection else wh._duckdb(["sqlite_scanner"])
+    assert wh._catalog_state(settings, conn) == (True, f"{settings.warehouse / 'data'}/")
+    assert len(calls) == 2
+    if conn is not None:
+        assert conn.execute("SELECT count(*) FROM duckdb_databases() WHERE database_name = 'catalog_probe'"
+                            ).fetchone() == (0,)

@@ -237,13 +237,13 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
             try:
                 return _probe_catalog(probe, path)
             except duckdb.Error as exc:
+                beside = [Path(f"{path}-wal"), Path(f"{path}-shm")]  # another user's leave it read-only
                 if not ("readonly database" in str(exc) and time.monotonic() < deadline
-                        and os.access(path.parent, os.W_OK) and os.access(path, os.W_OK)):
+                        and all(os.access(p, os.W_OK) for p in [path.parent, path, *beside] if p.exists())):
                     raise
-            finally:
-                if not own:
-                    with contextlib.suppress(duckdb.Error):
-                        probe.execute("DETACH DATABASE IF EXISTS catalog_probe")
+            finally:  # SQLite's ATTACH is lazy: its error may come after the name is taken
+                with contextlib.suppress(duckdb.Error):
+                    probe.execute("DETACH DATABASE IF EXISTS catalog_probe")
             time.sleep(0.05)
     except duckdb.Error as exc:
         said = (str(exc).strip() or type(exc).__name__).splitlines()[0]
