@@ -198,11 +198,6 @@ def _q(s: str) -> str:
     return s.replace("'", "''")
 
 
-def repr_sql(s: str) -> str:
-    """``s`` as an SQL string literal."""
-    return f"'{_q(s)}'"
-
-
 def _sqlite_file(settings: Settings) -> Path:
     return Path(settings.catalog_url.split(":", 1)[1])
 
@@ -1181,7 +1176,8 @@ def sandbox(conn: duckdb.DuckDBPyConnection, *, scratch: Path | None = None) -> 
     dirs = [data_path(conn)] + ([str(scratch).rstrip("/") + "/"] if scratch else [])
     if scratch:
         conn.execute(f"SET temp_directory = '{_q(str(scratch))}'")
-    conn.execute(f"SET allowed_directories = [{', '.join(repr_sql(d) for d in dirs)}]")  # no parameter: see _serialized
+    listed = ", ".join(f"'{_q(d)}'" for d in dirs)
+    conn.execute(f"SET allowed_directories = [{listed}]")  # no parameter: see _serialized_json
     conn.execute("SET enable_external_access = false")
     conn.execute("SET lock_configuration = true")
 
