@@ -60,10 +60,10 @@ def fh(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.heavy(110)
+@pytest.mark.heavy(60)
 def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_path):
     warehouse = tmp_path / "wh"
-    corpus = pages(tmp_path / "in", range(16))  # one page a batch: 16 commits, each seen by the queries
+    corpus = pages(tmp_path / "in", range(8))  # one page a batch: 8 commits, each seen by the queries
     fh("ingest", str(pages(tmp_path / "first", [1000])), "--warehouse", str(warehouse), "--no-progress")
     proc = start_ingest(warehouse, corpus)
     counts, others = [], []
@@ -77,7 +77,7 @@ def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_p
                        for cmd in (["status", "-n", "2"], ["report", "--out", str(tmp_path / "reports")])]
     finish(proc)
     final = query(warehouse, "SELECT count(*) FROM activations")[0][0]
-    assert final == 17 * 40
+    assert final == 9 * 40
     assert counts == sorted(counts), f"a reader saw rows disappear: {counts}"
     assert any(40 < c < final for c in counts), f"no query landed in the middle of the load: {counts}"
     assert len(others) == 4
@@ -92,7 +92,7 @@ DUCKDB_CLI = Path(sys.executable).with_name("duckdb")
 @pytest.mark.heavy(45)
 def test_a_reader_holding_a_connection_and_the_duckdb_cli_never_make_a_load_fail(tmp_path):
     settings = Settings(warehouse=tmp_path / "wh")
-    finish(start_ingest(settings.warehouse, pages(tmp_path / "a", range(3))))
+    finish(start_ingest(settings.warehouse, pages(tmp_path / "a", range(3)), one_page_a_batch=False))
     reader = wh.connect(settings, read_only=True)
     reader.execute("BEGIN TRANSACTION")
     assert reader.execute("SELECT count(*) FROM activations").fetchone()[0] == 120
@@ -128,28 +128,28 @@ def _same_tables(a: Path, b: Path) -> None:
         assert _rounded(table_rows(a, table)) == _rounded(table_rows(b, table)), f"{table} differs"
 
 
-@pytest.mark.heavy(90)
+@pytest.mark.heavy(45)
 def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
-    one, two = pages(tmp_path / "one", range(0, 8)), pages(tmp_path / "two", range(100, 108))
+    one, two = pages(tmp_path / "one", range(0, 4)), pages(tmp_path / "two", range(100, 104))
     both = [start_ingest(tmp_path / "wh", one), start_ingest(tmp_path / "wh", two)]
     for p in both:
         finish(p)
     finish(start_ingest(tmp_path / "alone", one, two, one_page_a_batch=False))
-    assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(640, 640)]
-    assert query(tmp_path / "wh", "SELECT count(*) FROM features") == [(16,)]
+    assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(320, 320)]
+    assert query(tmp_path / "wh", "SELECT count(*) FROM features") == [(8,)]
     _same_tables(tmp_path / "wh", tmp_path / "alone")
-    assert query(tmp_path / "wh", "SELECT count(*), sum(n_loaded) FROM runs WHERE status = 'succeeded'") == [(2, 16)]
+    assert query(tmp_path / "wh", "SELECT count(*), sum(n_loaded) FROM runs WHERE status = 'succeeded'") == [(2, 8)]
 
 
-@pytest.mark.heavy(75)
+@pytest.mark.heavy(45)
 def test_two_concurrent_ingests_of_the_same_corpus_equal_one_ingest(tmp_path):
-    corpus = pages(tmp_path / "in", range(8))
+    corpus = pages(tmp_path / "in", range(4))
     both = [start_ingest(tmp_path / "wh", corpus), start_ingest(tmp_path / "wh", corpus)]
     for p in both:
         finish(p)
     finish(start_ingest(tmp_path / "alone", corpus, one_page_a_batch=False))
     _same_tables(tmp_path / "wh", tmp_path / "alone")
-    assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT input_sha256) FROM raw_inputs") == [(8, 8)]
+    assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT input_sha256) FROM raw_inputs") == [(4, 4)]
 
 
 OUTSIDE_WRITER = textwrap.dedent("""
@@ -180,14 +180,14 @@ OUTSIDE_WRITER = textwrap.dedent("""
 @pytest.mark.heavy(80)
 def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_path):
     warehouse = tmp_path / "wh"
-    finish(start_ingest(warehouse, pages(tmp_path / "v1", range(6), seed=1)))
+    finish(start_ingest(warehouse, pages(tmp_path / "v1", range(6), seed=1), one_page_a_batch=False))  # what is there before
     v2 = pages(tmp_path / "v2", range(6), seed=2)  # newer captures of the same features
-    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "25"],
+    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "15"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                cwd=Path(__file__).resolve().parent.parent)
     time.sleep(2)
     finish(start_ingest(warehouse, v2, env={"FEATUREHOUSE_COMMIT_ATTEMPTS": "50"}))
-    out, _ = outside.communicate(input="", timeout=120)  # at most 25 s of writes, fewer if the load ends first
+    out, _ = outside.communicate(input="", timeout=120)  # at most 15 s of writes, fewer if the load ends first
     assert outside.returncode == 0 and int(out.split()[0]) > 0, f"the outside writer did not write: {out}"
     (retries,) = query(warehouse, "SELECT commit_retries FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     assert retries > 0, "the outside writer never conflicted with the load: the test proved nothing"
