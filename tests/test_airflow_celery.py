@@ -3,12 +3,12 @@ catalog in PostgreSQL, data files and the landing area on S3 (moto's server here
 compose), Redis as the broker — started with deploy/airflow.env and deploy/airflow-scale.env as
 `make up-scale` does (tests/test_compose.py holds the compose file to these settings).
 
-1. A night of 20 features in 2 fetch chunks (the run the scheduler makes when the DAG is
+1. A night of 20 features in 2 fetch chunks of 10 (the run the scheduler makes when the DAG is
    unpaused): each worker runs an ingest part, every feature is loaded once, and the tables and
    statistics equal one plain local ingest of the same pages.
-2. Another night (20 more, triggered through the REST API), a worker is killed (its whole session, as a machine dying would)
+2. Another night (40 more, in chunks of 20, triggered through the REST API), a worker is killed (its whole session, as a machine dying would)
    while it runs an ingest part: Airflow notices the missing heartbeat, the part is retried on
-   the other worker, and the tables still equal the local ingest of all 40 features.
+   the other worker, and the tables still equal the local ingest of all 60 features.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ CONFIG = """
 [schedule]
 retry_delay = 2
 [fetch]
-chunk_size = 10
+chunk_size = {chunk}
 requests_per_hour = 3600000  # the fake site has no limit: no waiting on the rate limiter
 [[sources]]
 model = "{model}"
@@ -151,7 +151,7 @@ def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server is not installed: .ci/run installs it (apt-get install redis-server)")
     config = tmp_path / "featurehouse.toml"
-    config.write_text(CONFIG.format(model=MODEL, source=SOURCE, a=0, b=20))
+    config.write_text(CONFIG.format(model=MODEL, source=SOURCE, a=0, b=20, chunk=10))
     password = secrets.token_urlsafe(12)
     api_port, redis_port, s3_port = free_port(), free_port(), free_port()
     procs: dict[str, subprocess.Popen] = {}
@@ -230,7 +230,7 @@ def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_
             _assert_same_tables(cluster, local, 20)
 
             # --- night 2: a worker dies in the middle of an ingest part -------------------------
-            config.write_text(CONFIG.format(model=MODEL, source=SOURCE, a=20, b=40))
+            config.write_text(CONFIG.format(model=MODEL, source=SOURCE, a=20, b=60, chunk=20))
             second = stack.trigger("2026-11-20T03:00:00Z")  # not the scheduled run's night
 
             def an_ingest_running():
@@ -242,18 +242,18 @@ def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_
             _kill_session(procs[victim["hostname"]])
             survivor = next(w for w in WORKERS if w != victim["hostname"])
             killed_at = time.monotonic()
-            _local_night(local, fake, 20, 40)
+            _local_night(local, fake, 20, 60)
             stack.wait(second, 420)
             tries = sorted(stack.tries(second, "ingest", victim["map_index"]), key=lambda t: t["try_number"])
             assert [(t["hostname"], t["state"]) for t in tries][-1] == (survivor, "success"), tries
             assert tries[0]["hostname"] == victim["hostname"] and tries[0]["state"] == "failed", tries
             print(f"killed {victim['hostname']} in ingest part {victim['map_index']}; the night ended "
                   f"{time.monotonic() - killed_at:.0f}s later")
-            _assert_same_tables(cluster, local, 40)
+            _assert_same_tables(cluster, local, 60)
             with open_warehouse(cluster) as conn:
                 runs = conn.execute("SELECT status, n_loaded FROM runs WHERE run_id LIKE 'airflow-%' "
                                     "ORDER BY run_id").fetchall()
-            assert runs == [("succeeded", 20), ("succeeded", 20)]
+            assert runs == [("succeeded", 40), ("succeeded", 20)]  # by run id: night 2 (2026-11-20) comes first
         finally:
             for name in reversed(list(procs)):
                 stop(procs[name], grace=15)

@@ -182,12 +182,12 @@ def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_p
     warehouse = tmp_path / "wh"
     finish(start_ingest(warehouse, pages(tmp_path / "v1", range(6), seed=1), one_page_a_batch=False))  # what is there before
     v2 = pages(tmp_path / "v2", range(6), seed=2)  # newer captures of the same features
-    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "15"],
+    outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "25"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                cwd=Path(__file__).resolve().parent.parent)
     time.sleep(2)
     finish(start_ingest(warehouse, v2, env={"FEATUREHOUSE_COMMIT_ATTEMPTS": "50"}))
-    out, _ = outside.communicate(input="", timeout=120)  # at most 15 s of writes, fewer if the load ends first
+    out, _ = outside.communicate(input="", timeout=120)  # at most 25 s of writes, fewer if the load ends first
     assert outside.returncode == 0 and int(out.split()[0]) > 0, f"the outside writer did not write: {out}"
     (retries,) = query(warehouse, "SELECT commit_retries FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     assert retries > 0, "the outside writer never conflicted with the load: the test proved nothing"

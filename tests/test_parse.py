@@ -140,14 +140,14 @@ def test_a_reference_bomb_is_refused_quickly_in_small_memory(n_rows, html):
     data = reference_bomb(n_rows, html=html)
     assert len(data) < 20_000
     tracemalloc.start()
-    started = time.monotonic()
+    started = time.process_time()  # CPU, not wall: another process on the machine cannot fail it
     try:
         with pytest.raises(Rejected) as refused:
             parse_bytes(data)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    seconds = time.monotonic() - started
+    seconds = time.process_time() - started
     reason = str(refused.value)
     assert "references expand" in reason and "limit" in reason and "1,048,576" in reason, reason
     assert seconds < 1.0 and peak < 16 << 20, (seconds, peak)
