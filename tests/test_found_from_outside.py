@@ -78,8 +78,10 @@ def test_sigterm_ends_the_run_as_failed(tmp_path):
                              "--run-id", "term"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the run is recorded
-        if (wh / "catalog.sqlite").exists() and fh("sql", "SELECT 1 FROM runs WHERE run_id = 'term'", "--warehouse",
-                                                    str(wh), "--format", "csv").stdout.strip().endswith("1"):
+        # the count, not `SELECT 1`: csv output heads its column "1", so an empty answer ended in "1" too
+        # and the signal could come before the run was recorded
+        if (wh / "catalog.sqlite").exists() and fh("sql", "SELECT count(*) AS n FROM runs WHERE run_id = 'term'",
+                                                    "--warehouse", str(wh), "--format", "csv").stdout.split()[-1:] == ["1"]:
             break
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
