@@ -234,15 +234,16 @@ class _Run:
             # GIL; started earlier it would slow down landing, which needs the GIL too.
             threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
         timed = self.summary.timed
-        with timed("read"):
-            self._read_pages(batch)
-            self._read_exports(batch)
         try:
-            with timed("stage"):
-                self._stage(batch)
-                superseded = claim_captures(self.conn)
-            with timed("validate"):
-                outcome = self._validate(now)
+            with warehouse.scratch_first(self.conn):  # temp tables only until the load
+                with timed("read"):
+                    self._read_pages(batch)
+                    self._read_exports(batch)
+                with timed("stage"):
+                    self._stage(batch)
+                    superseded = claim_captures(self.conn)
+                with timed("validate"):
+                    outcome = self._validate(now)
             self._load(batch, outcome, superseded, now)
         finally:
             stage.drop(self.conn)

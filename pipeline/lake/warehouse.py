@@ -436,6 +436,24 @@ def _open(settings: Settings, *, read_only: bool, create: bool, threads: int | N
         raise
 
 
+@contextlib.contextmanager
+def scratch_first(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """Make the connection's own in-memory database the default while only temp tables are
+    read and written (staging, validation), then the lake again, whatever happens.
+
+    With the lake as the default database every statement, even one on a temp table, opens a
+    DuckLake transaction and reads its snapshot from the catalog: measured ~1.7-2 ms a statement
+    in autocommit, against ~0.3 ms with the in-memory database in use. A batch runs ~100 such
+    statements. Temp tables resolve the same either way; a lake table must then be named with
+    its catalog (``featurehouse.main.features``).
+    """
+    conn.execute("USE memory")
+    try:
+        yield
+    finally:
+        conn.execute(f"USE {CATALOG}")
+
+
 def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]) -> None:
     suffix = f" ({', '.join(opts)})" if opts else ""
     try:
