@@ -201,6 +201,7 @@ class _Run:
         }
         self.seen_before_this_attempt = set(self.seen_this_run)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
+        self._warming: threading.Thread | None = None  # the import of Great Expectations, in a thread
         self._stored: Future | None = None
 
     def use_threads(self, n_bytes: int) -> None:
@@ -229,10 +230,12 @@ class _Run:
             return
         self.batch_no += 1
         now = utcnow()
-        if self.batch_no % PART_BATCHES == 1:
+        if self.batch_no % PART_BATCHES == 1 and (batch.parsed or batch.fast or any(batch.exports.values())):
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
-            # GIL; started earlier it would slow down landing, which needs the GIL too.
-            threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True).start()
+            # GIL; started earlier it would slow down landing, which needs the GIL too. Not for a
+            # batch of refused inputs only: it has no record to validate.
+            self._warming = threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True)
+            self._warming.start()
         timed = self.summary.timed
         try:
             with warehouse.scratch_first(self.conn):  # temp tables only until the load
@@ -351,6 +354,12 @@ class _Run:
         settled by ``claim_captures``: the newest loads, the others are superseded, not refused
         as duplicates); its results are stored for the Data Docs beside the load."""
         outcome = validate.validate_batch(self.conn, {t: None for t in _DATA_TABLES})
+        if self._warming is not None:
+            # A batch with no record left to judge did not wait for the import: wait now, so that
+            # no other thread imports Great Expectations' modules (or altair) beside it (Python's
+            # import locks can deadlock on two threads importing the same packages).
+            self._warming.join()
+            self._warming = None
         self._store_results(self.batch_no, now, outcome)
         return outcome
 

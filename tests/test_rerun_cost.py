@@ -49,6 +49,35 @@ def test_an_unchanged_rerun_does_not_import_great_expectations(tmp_path):
     assert '<div class="verdict PASS"' in page and page.count("<svg") >= 4
 
 
+def test_a_run_of_refused_inputs_only_does_not_import_great_expectations(tmp_path):
+    """Inputs refused before staging (not a page, not JSON) leave no record to validate."""
+    inbox = tmp_path / "in"
+    inbox.mkdir()
+    (inbox / "notes.txt").write_text("not a feature page at all\n")
+    (inbox / "cut.json").write_text('{"modelId": "gpt2-small", "layer": ')
+    run = _ingest_child(inbox, tmp_path / "wh")
+    assert run["status"] == "succeeded" and run["loaded"] == 0
+    assert not run["gx"], "a run with no record to validate imported Great Expectations (seconds)"
+    assert '<div class="verdict FAIL"' in Path(run["report"]).read_text()
+
+
+def test_a_refused_single_line_page_runs_clean(tmp_path):
+    """A one-line JSON input goes to DuckDB's road, so its refusal is known only after the
+    import of Great Expectations has started in a thread. With no record judged, nothing is
+    stored and the run waits for that import before going on: storing "nothing" imported GX's
+    modules in a second thread beside it, and Python's import locks deadlocked (a traceback
+    and "could not store Great Expectations results" in every such run)."""
+    inbox = tmp_path / "in"
+    inbox.mkdir()
+    (inbox / "error.json").write_text('{"error": "Not found"}')
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(inbox), str(tmp_path / "wh")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "could not store" not in proc.stderr, proc.stderr
+    run = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert run["status"] == "succeeded" and run["loaded"] == 0
+
+
 def _svgs(page: str) -> list[str]:
     # the ids are made unique per page: compare without them
     return [re.sub(r'c\d+-', "", s) for s in re.findall(r"<svg .*?</svg>", page, flags=re.S)]

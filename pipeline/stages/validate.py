@@ -249,16 +249,20 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
     ``conn`` as ``stage_<table>`` (a view or table with a unique ``_row`` id per record). Returns quarantine entries (without run and
     input ids, which the caller adds) and one result per expectation.
     """
-    with _GX_LOCK:
-        batches, suites = _gx()
     outcome = ValidationOutcome()
     with _GX_USE:
-        _validate_tables(conn, staged, batches, suites, outcome)
+        _validate_tables(conn, staged, outcome)
     return outcome
 
 
-def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], batches: dict, suites: dict,
-                     outcome: ValidationOutcome) -> None:
+def _suites() -> tuple[dict, dict]:
+    with _GX_LOCK:
+        return _gx()
+
+
+def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], outcome: ValidationOutcome) -> None:
+    # Great Expectations (~3 s of CPU to import) only once a table has records to judge: a batch
+    # whose every input was refused before staging has none, and pays nothing for it.
     for table in staged:
         if table == "activations":
             # One pass over the batch's token and value lists: the checks, and beside them what
@@ -271,6 +275,7 @@ def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], ba
         n = len(frame)
         failed: dict[int, list[tuple[str, str]]] = {}
         if n:
+            batches, suites = _suites()
             batch = batches[table].get_batch(batch_parameters={"dataframe": frame})
             # The suite's expectations are marked (None): never memoised, see _memo_configurations.
             memo = {id(e): (e, None) for e in suites[table].expectations} if MEMOISE_GX else None
@@ -375,6 +380,8 @@ def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated
 
 def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
            outcome: ValidationOutcome) -> int:
+    if not outcome.gx_results:  # nothing was judged: no Great Expectations to import for it
+        return 0
     from great_expectations.core.run_identifier import RunIdentifier
     from great_expectations.data_context.types.resource_identifiers import (
         ExpectationSuiteIdentifier,
