@@ -9,6 +9,7 @@ validated and loaded in batches (``settings.batch_bytes`` of input or
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -202,6 +203,7 @@ class _Run:
         self.seen_before_this_attempt = set(self.seen_this_run)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
         self._warming: threading.Thread | None = None  # the import of Great Expectations, in a thread
+        self._warm_up_started = False  # at the first batch with records to judge
         self._stored: Future | None = None
 
     def use_threads(self, n_bytes: int) -> None:
@@ -230,10 +232,11 @@ class _Run:
             return
         self.batch_no += 1
         now = utcnow()
-        if self.batch_no % PART_BATCHES == 1 and (batch.parsed or batch.fast or any(batch.exports.values())):
+        if not self._warm_up_started and (batch.parsed or batch.fast or any(batch.exports.values())):
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too. Not for a
             # batch of refused inputs only: it has no record to validate.
+            self._warm_up_started = True
             self._warming = threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True)
             self._warming.start()
         timed = self.summary.timed
@@ -249,6 +252,7 @@ class _Run:
                     outcome = self._validate(now)
             self._load(batch, outcome, superseded, now)
         finally:
+            self._warmed_up()
             stage.drop(self.conn)
             self._clear_scratch()  # after the load: quarantined records are cut out of these copies
 
@@ -354,12 +358,7 @@ class _Run:
         settled by ``claim_captures``: the newest loads, the others are superseded, not refused
         as duplicates); its results are stored for the Data Docs beside the load."""
         outcome = validate.validate_batch(self.conn, {t: None for t in _DATA_TABLES})
-        if self._warming is not None:
-            # A batch with no record left to judge did not wait for the import: wait now, so that
-            # no other thread imports Great Expectations' modules (or altair) beside it (Python's
-            # import locks can deadlock on two threads importing the same packages).
-            self._warming.join()
-            self._warming = None
+        self._warmed_up()
         self._store_results(self.batch_no, now, outcome)
         return outcome
 
@@ -382,7 +381,17 @@ class _Run:
             self._stored.result()
             self._stored = None
 
+    def _warmed_up(self) -> None:
+        """Wait for the import of Great Expectations started in a thread, if any. A batch with
+        no record left to judge, or one that failed, did not wait for it: no other thread may
+        import its modules (or the report's altair, pandas) beside it, as Python's import locks
+        can deadlock two threads importing the same packages."""
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+
     def close(self) -> None:
+        self._warmed_up()
         self.wait_stored()
         self._store_pool.shutdown(wait=True)
 
@@ -707,6 +716,8 @@ def ingest(
         summary.status = "failed"
         if run_started is not None:
             run_started.close()
+        with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
+            conn.execute(f"USE {warehouse.CATALOG}")
         try:
             runstate.finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
             exc.add_note(f"run {run_id} is recorded as failed")

@@ -238,3 +238,49 @@ def test_duckdb_gets_one_thread_per_bytes_per_thread_of_the_batch(tmp_path, monk
     assert summary.n_loaded == 1
     cores = duckdb.connect().execute("SELECT current_setting('threads')").fetchone()[0]
     assert seen == [1 if threads == "one" else cores]
+
+
+@pytest.mark.parametrize("where", ["stage", "validate"])
+def test_a_run_failing_while_staging_is_recorded_as_failed_on_the_lake(tmp_path, monkeypatch, where):
+    """Staging and validation run with the in-memory database as the default (their temp-table
+    statements then skip DuckLake's transaction); a failure there gives the lake back, so the
+    run's row (an unqualified ``runs``) is still marked failed with the error that stopped it."""
+    import importlib
+
+    from pipeline.config import Settings
+    from pipeline.stages import stage, validate
+
+    ingest_module = importlib.import_module("pipeline.ingest")
+    target, name = (stage, "create_views") if where == "stage" else (validate, "validate_batch")
+
+    def broken(*a, **kw):
+        raise RuntimeError(f"injected failure in {where}")
+
+    monkeypatch.setattr(target, name, broken)
+    settings = Settings(warehouse=tmp_path / "wh")
+    with pytest.raises(RuntimeError, match="injected") as info:
+        ingest_module.ingest([SEED_FLIGHT], settings, progress=False, report_after=False, run_id="broken-run")
+    assert any("is recorded as failed" in n for n in getattr(info.value, "__notes__", [])), info.value.__notes__
+    [(status, error)] = query(settings.warehouse, "SELECT status, error FROM runs WHERE run_id = 'broken-run'")
+    assert status == "failed" and f"injected failure in {where}" in error
+
+
+def test_scratch_first_gives_the_lake_back_and_keeps_the_first_error(tmp_path):
+    import duckdb
+
+    from pipeline.config import Settings
+    from pipeline.lake import warehouse
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    with warehouse.connect(settings, create=True) as conn:
+        with warehouse.scratch_first(conn):
+            assert conn.execute("SELECT current_database()").fetchone() == ("memory",)
+        assert conn.execute("SELECT current_database()").fetchone() == ("featurehouse",)
+        with pytest.raises(ZeroDivisionError), warehouse.scratch_first(conn):
+            1 / 0
+        assert conn.execute("SELECT current_database()").fetchone() == ("featurehouse",)
+        with pytest.raises(ValueError, match="first") as info, warehouse.scratch_first(conn):
+            conn.execute("DETACH featurehouse")  # the lake is gone: the restore itself fails
+            raise ValueError("first")
+        assert any("could not be made the default database again" in n for n in info.value.__notes__)
+        assert not isinstance(info.value, duckdb.Error)

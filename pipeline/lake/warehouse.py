@@ -447,11 +447,16 @@ def scratch_first(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
     statements. Temp tables resolve the same either way; a lake table must then be named with
     its catalog (``featurehouse.main.features``).
     """
-    conn.execute("USE memory")
     try:
+        conn.execute("USE memory")
         yield
-    finally:
-        conn.execute(f"USE {CATALOG}")
+    except BaseException as exc:
+        try:
+            conn.execute(f"USE {CATALOG}")
+        except duckdb.Error as restore:  # the error that got here is the one to report
+            exc.add_note(f"(and the warehouse could not be made the default database again: {restore})")
+        raise
+    conn.execute(f"USE {CATALOG}")
 
 
 def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]) -> None:
