@@ -64,9 +64,10 @@ def test_a_run_of_refused_inputs_only_does_not_import_great_expectations(tmp_pat
 def test_a_refused_single_line_page_runs_clean(tmp_path):
     """A one-line JSON input goes to DuckDB's road, so its refusal is known only after the
     import of Great Expectations has started in a thread. With no record judged, nothing is
-    stored and the run waits for that import before going on: storing "nothing" imported GX's
-    modules in a second thread beside it, and Python's import locks deadlocked (a traceback
-    and "could not store Great Expectations results" in every such run)."""
+    stored and the run waits for that import before going on. (A first version of skipping
+    Great Expectations for such batches stored "nothing" by importing its modules in a second
+    thread beside that import: Python's import locks deadlocked, with a traceback and "could
+    not store Great Expectations results" in every such run.)"""
     inbox = tmp_path / "in"
     inbox.mkdir()
     (inbox / "error.json").write_text('{"error": "Not found"}')
