@@ -220,8 +220,7 @@ in a thread (beside DuckDB's load of it), and the two never run Great Expectatio
 def warm_up() -> None:
     """Import Great Expectations and build the suites now (about 3 s), e.g. in a thread while
     the first batch is landed and read: DuckDB releases the GIL, so the two overlap."""
-    with _GX_LOCK:
-        _gx()
+    _suites()
 
 
 @dataclass
@@ -256,6 +255,8 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
 
 
 def _suites() -> tuple[dict, dict]:
+    """Great Expectations' batch definitions and suites, set up once per process (under the
+    lock: a warm-up thread may be setting them up)."""
     with _GX_LOCK:
         return _gx()
 
