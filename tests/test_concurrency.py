@@ -26,7 +26,7 @@ import pytest
 from bench.generate import synthetic_page
 from pipeline.config import Settings
 from pipeline.lake import warehouse as wh
-from tests.conftest import META_COLUMNS, query, table_rows
+from tests.conftest import META_COLUMNS, query, run_ingest, table_rows
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 TABLES = ("features", "activations", "explanations", "models", "sources", "source_sets",
@@ -42,12 +42,23 @@ def pages(folder: Path, indices, *, seed: int = 0) -> Path:
     return folder
 
 
-def start_ingest(warehouse: Path, *paths: Path, env: dict | None = None, one_page_a_batch: bool = True) -> subprocess.Popen:
-    """``featurehouse ingest`` in a process of its own; one page a batch unless the run is only the
-    reference the others are compared with (batching does not change what loads)."""
+def start_ingest(warehouse: Path, *paths: Path, env: dict | None = None) -> subprocess.Popen:
+    """``featurehouse ingest`` in a process of its own, one page a batch."""
     return subprocess.Popen([str(FEATUREHOUSE), "ingest", *map(str, paths), "--warehouse", str(warehouse),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(ONE_PAGE_A_BATCH if one_page_a_batch else {}), **(env or {})})
+                            env={**os.environ, **ONE_PAGE_A_BATCH, **(env or {})})
+
+
+def ingest_here(warehouse: Path, *paths: Path) -> None:
+    """An ingest in this process, batched as usual: what is there before the test's processes
+    start, or the single run they are compared with (the CLI's ingest is what runs at once)."""
+    summary = run_ingest(list(paths), Settings(warehouse=warehouse))
+    assert summary.status == "succeeded" and summary.n_loaded == len([p for d in paths for p in d.iterdir()]), summary
+
+
+def activation_files(warehouse: Path) -> int:
+    """The activations' data files: a batch writes its own just before it commits."""
+    return len(list((warehouse / "data" / "main" / "activations").glob("*.parquet")))
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> str:
@@ -64,10 +75,14 @@ def fh(*args: str) -> subprocess.CompletedProcess:
 def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_path):
     warehouse = tmp_path / "wh"
     corpus = pages(tmp_path / "in", range(8))  # one page a batch: 8 commits, each seen by the queries
-    fh("ingest", str(pages(tmp_path / "first", [1000])), "--warehouse", str(warehouse), "--no-progress")
+    ingest_here(warehouse, pages(tmp_path / "first", [1000]))
     proc = start_ingest(warehouse, corpus)
-    counts, others = [], []
+    counts, others, seen = [], [], activation_files(warehouse)
     while proc.poll() is None:
+        if activation_files(warehouse) == seen:  # a query each time a batch is about to commit
+            time.sleep(0.02)
+            continue
+        seen = activation_files(warehouse)
         q = fh("sql", "SELECT count(*) FROM activations", "--warehouse", str(warehouse), "--format", "csv")
         assert q.returncode == 0, q.stderr
         counts.append(int(q.stdout.split()[-1]))
@@ -92,7 +107,7 @@ DUCKDB_CLI = Path(sys.executable).with_name("duckdb")
 @pytest.mark.heavy(45)
 def test_a_reader_holding_a_connection_and_the_duckdb_cli_never_make_a_load_fail(tmp_path):
     settings = Settings(warehouse=tmp_path / "wh")
-    finish(start_ingest(settings.warehouse, pages(tmp_path / "a", range(3)), one_page_a_batch=False))
+    ingest_here(settings.warehouse, pages(tmp_path / "a", range(3)))
     reader = wh.connect(settings, read_only=True)
     reader.execute("BEGIN TRANSACTION")
     assert reader.execute("SELECT count(*) FROM activations").fetchone()[0] == 120
@@ -134,7 +149,7 @@ def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     both = [start_ingest(tmp_path / "wh", one), start_ingest(tmp_path / "wh", two)]
     for p in both:
         finish(p)
-    finish(start_ingest(tmp_path / "alone", one, two, one_page_a_batch=False))
+    ingest_here(tmp_path / "alone", one, two)
     assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(320, 320)]
     assert query(tmp_path / "wh", "SELECT count(*) FROM features") == [(8,)]
     _same_tables(tmp_path / "wh", tmp_path / "alone")
@@ -147,7 +162,7 @@ def test_two_concurrent_ingests_of_the_same_corpus_equal_one_ingest(tmp_path):
     both = [start_ingest(tmp_path / "wh", corpus), start_ingest(tmp_path / "wh", corpus)]
     for p in both:
         finish(p)
-    finish(start_ingest(tmp_path / "alone", corpus, one_page_a_batch=False))
+    ingest_here(tmp_path / "alone", corpus)
     _same_tables(tmp_path / "wh", tmp_path / "alone")
     assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT input_sha256) FROM raw_inputs") == [(4, 4)]
 
@@ -180,7 +195,7 @@ OUTSIDE_WRITER = textwrap.dedent("""
 @pytest.mark.heavy(80)
 def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_path):
     warehouse = tmp_path / "wh"
-    finish(start_ingest(warehouse, pages(tmp_path / "v1", range(6), seed=1), one_page_a_batch=False))  # what is there before
+    ingest_here(warehouse, pages(tmp_path / "v1", range(6), seed=1))  # what is there before
     v2 = pages(tmp_path / "v2", range(6), seed=2)  # newer captures of the same features
     outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "25"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -191,7 +206,7 @@ def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_p
     assert outside.returncode == 0 and int(out.split()[0]) > 0, f"the outside writer did not write: {out}"
     (retries,) = query(warehouse, "SELECT commit_retries FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     assert retries > 0, "the outside writer never conflicted with the load: the test proved nothing"
-    finish(start_ingest(tmp_path / "alone", v2, one_page_a_batch=False))
+    ingest_here(tmp_path / "alone", v2)
     for table in ("features", "activations", "explanations", "feature_activation_stats"):
         got = table_rows(warehouse, table, exclude=META_COLUMNS)
         want = table_rows(tmp_path / "alone", table, exclude=META_COLUMNS)
@@ -203,7 +218,7 @@ def one_run(tmp_path_factory) -> Path:
     """A warehouse of one run, shared by the read-only commands (each checks it wrote nothing)."""
     tmp = tmp_path_factory.mktemp("readers")
     warehouse = tmp / "wh"
-    finish(start_ingest(warehouse, pages(tmp / "in", [5])))
+    ingest_here(warehouse, pages(tmp / "in", [5]))
     return warehouse
 
 
