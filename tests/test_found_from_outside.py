@@ -17,7 +17,7 @@ import pytest
 from bench.generate import synthetic_page
 from pipeline.config import Settings
 from pipeline.lake.warehouse import attach_sql
-from tests.conftest import query, write
+from tests.conftest import query, run_ingest, write
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 
@@ -96,9 +96,9 @@ def test_a_reader_in_a_transaction_keeps_its_snapshot_across_maintain(tmp_path):
     """Small commits were kept inline in the catalog, and maintain's flush deleted them under a
     reader holding a transaction (its activation count went to 0)."""
     settings = Settings(warehouse=tmp_path / "wh")
-    for i in range(2):
-        assert fh("ingest", str(write(tmp_path / f"in{i}" / "p.json", orjson.dumps(synthetic_page(i)))),
-                  "--warehouse", str(settings.warehouse), "--no-progress").returncode == 0
+    for i in range(2):  # two small commits (in-process: the set-up)
+        summary = run_ingest([write(tmp_path / f"in{i}" / "p.json", orjson.dumps(synthetic_page(i)))], settings)
+        assert summary.status == "succeeded" and summary.n_loaded == 1, summary
     conn = duckdb.connect()
     try:
         for line in attach_sql(settings):
@@ -118,8 +118,8 @@ def test_a_reader_in_a_transaction_keeps_its_snapshot_across_maintain(tmp_path):
 
 def test_status_refuses_a_negative_limit(tmp_path):
     settings = Settings(warehouse=tmp_path / "wh")
-    assert fh("ingest", str(write(tmp_path / "in" / "p.json", orjson.dumps(synthetic_page(1)))),
-              "--warehouse", str(settings.warehouse), "--no-progress").returncode == 0
+    summary = run_ingest([write(tmp_path / "in" / "p.json", orjson.dumps(synthetic_page(1)))], settings)
+    assert summary.status == "succeeded", summary
     proc = fh("status", "-n", "-1", "--warehouse", str(settings.warehouse))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
 
@@ -141,7 +141,8 @@ def test_json_lines_of_whole_pages_load_every_record_of_every_page(tmp_path):
     lines = b"\n".join(p.read_bytes() for p in pages) + b"\n"
     write(tmp_path / "jl" / "three.jsonl", lines)
     write(tmp_path / "gz" / "three.jsonl.gz", gzip.compress(lines))
-    for name in ("pages", "jl", "gz"):
+    assert run_ingest([tmp_path / "pages"], Settings(warehouse=tmp_path / "wh-pages")).status == "succeeded"
+    for name in ("jl", "gz"):  # the reference above in-process, the two files as they were found: the CLI
         proc = fh("ingest", str(tmp_path / name), "--warehouse", str(tmp_path / f"wh-{name}"), "--no-progress")
         assert proc.returncode == 0, proc.stderr
     expected = _table_counts(tmp_path / "wh-pages")
@@ -172,8 +173,6 @@ def test_gzip_json_lines_mixing_an_export_row_and_a_page_are_refused_like_uncomp
     """Uncompressed, such a file is refused; gzip-compressed it took the export road, the page
     loaded as a bare feature row and its activations and explanations were dropped."""
     import gzip
-
-    from tests.conftest import run_ingest
 
     page = synthetic_page(71, valid=True)
     row = {"modelId": page["modelId"], "layer": page["layer"], "index": "70", "maxActApprox": 3.0}
@@ -213,7 +212,7 @@ def test_gzip_export_batch_with_trailing_zero_padding_does_not_fail_the_run(tmp_
     "Input is not a GZIP stream", uncaught: the run failed, and every re-run failed the same way."""
     import gzip
 
-    from tests.conftest import good_page, run_ingest
+    from tests.conftest import good_page
 
     rows = b"".join(orjson.dumps(a) + b"\n" for a in good_page(5)["activations"])
     write(tmp_path / "in" / "padded.jsonl.gz", gzip.compress(rows) + b"\x00" * 16)

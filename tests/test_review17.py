@@ -128,6 +128,7 @@ def test_a_catalog_on_a_full_disk_is_said_to_be_on_a_full_disk_not_damaged(tmp_p
     import sys
     from pathlib import Path
 
+    from pipeline.config import Settings
     from tests.formats import to_api_json
 
     disk = tmp_path / "disk"
@@ -139,9 +140,7 @@ def test_a_catalog_on_a_full_disk_is_said_to_be_on_a_full_disk_not_damaged(tmp_p
         (tmp_path / "in").mkdir()
         (tmp_path / "in" / "a.json").write_bytes(to_api_json(good_page(1)))
         wh = disk / "wh"
-        proc = subprocess.run([fh, "ingest", str(tmp_path / "in"), "--warehouse", str(wh), "--no-progress"],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+        assert run_ingest([tmp_path / "in"], Settings(warehouse=wh)).status == "succeeded"  # the set-up
         fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)  # the disk fills up
         with contextlib.suppress(OSError):
             while os.write(fd, b"\0" * (64 << 10)):
@@ -156,9 +155,8 @@ def test_a_catalog_on_a_full_disk_is_said_to_be_on_a_full_disk_not_damaged(tmp_p
             assert "the disk that holds it is full" in proc.stderr, proc.stderr
             assert "restore it from a backup" not in proc.stderr, proc.stderr
         os.unlink(disk / "filler")  # once there is room, the warehouse is as it was
-        proc = subprocess.run([fh, "ingest", str(tmp_path / "in"), "--warehouse", str(wh), "--no-progress"],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+        summary = run_ingest([tmp_path / "in"], Settings(warehouse=wh))
+        assert summary.status == "succeeded" and summary.n_loaded == 1, summary
         assert sorted(r[0] for r in query(wh, "SELECT feature_index FROM features")) == [1, 2]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
