@@ -122,8 +122,7 @@ def test_a_warehouse_opened_through_a_relative_path_from_anywhere(wh, tmp_path):
 def test_the_data_path_setting_points_a_moved_external_data_folder(tmp_path):
     """Data kept outside the warehouse folder: after moving it, FEATUREHOUSE_DATA_PATH says where."""
     env = {"FEATUREHOUSE_DATA_PATH": str(tmp_path / "parquet")}
-    r = fh("ingest", str(FIXTURES), "--warehouse", str(tmp_path / "wh"), "--no-progress", env=env)
-    assert r.returncode == 0, r.stderr
+    run_ingest([FIXTURES], Settings(warehouse=tmp_path / "wh", data_path=env["FEATUREHOUSE_DATA_PATH"]))  # set-up
     expected = reads_everything(tmp_path / "wh", env=env)
     assert reads_everything(tmp_path / "wh") == expected  # the catalog remembers where it put them
     shutil.move(tmp_path / "parquet", tmp_path / "parquet-moved")
