@@ -12,11 +12,12 @@ help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-10s %s\n", $$1, $$2}'
 
 # uv installs the pinned set in ~13 s where pip took 64-100 s (a fresh clone here, 2026-12-02, uv's cache
-# empty); pip installs the same pins if uv cannot be had
+# empty); pip installs the same pins if uv cannot be had. --compile-bytecode, as pip does: this machine
+# sets PYTHONDONTWRITEBYTECODE, so without .pyc files every process compiles what it imports, each time
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	if $(BIN)/python -m pip install -q -c constraints.txt uv; then \
-	  $(BIN)/uv pip install -q --python $(BIN)/python -c constraints.txt -e '.[dev,airflow]'; \
+	  $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -c constraints.txt -e '.[dev,airflow]'; \
 	else \
 	  $(BIN)/python -m pip install -q --upgrade pip && $(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,airflow]'; \
 	fi

@@ -31,8 +31,8 @@ def _index_row(index: Path, run_id: str) -> str:
 @pytest.mark.heavy(40)
 def test_a_killed_ingest_shows_as_abandoned_and_the_next_ingest_records_it(tmp_path):
     wh = tmp_path / "wh"
-    first = fh("ingest", str(SEED_FLIGHT), "--warehouse", str(wh), "--no-progress")
-    assert first.returncode == 0, first.stderr
+    first = ingest([SEED_FLIGHT], Settings.from_env(warehouse=wh), progress=False)  # the set-up, in-process
+    assert first.status == "succeeded" and first.report_path, first
     write_pages(150, tmp_path / "pages")  # ~40 MB: seconds of work after the run is recorded
 
     log = (tmp_path / "killed.log").open("w")
