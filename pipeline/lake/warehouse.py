@@ -136,6 +136,65 @@ def extension_path(name: str) -> str:
 _VERIFIED: set[str] = set()
 _VERIFIED_LOCK = threading.Lock()
 
+#: ... and once per file, not per process: a check that passed is recorded (``_CHECKED_FILE``)
+#: with what identifies that file's content on disk, so a later process whose file is the same
+#: does not hash it again (~0.3 s of CPU at each `featurehouse` command and Airflow task).
+#: The record holds the file's device, inode, size, modification and *change* time: a write to
+#: the file, a copy or a rename over it gives another inode or change time (which no user can
+#: set back), and then the file is checked again. The record lives in the user's cache folder
+#: (``FEATUREHOUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/featurehouse`` or ``~/.cache/featurehouse``);
+#: where it cannot be read or written, every process checks, as before.
+_CHECKED_FILE = "checked-extensions.json"
+
+
+def _cache_dir() -> Path | None:
+    if os.environ.get("FEATUREHOUSE_CACHE_DIR"):
+        return Path(os.environ["FEATUREHOUSE_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "featurehouse"
+    home = os.environ.get("HOME")
+    return Path(home) / ".cache" / "featurehouse" if home else None
+
+
+def _identity(path: str) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _checked_before(path: str) -> bool:
+    """Whether a check of ``path``, as it is on disk now, passed in an earlier process."""
+    folder, identity = _cache_dir(), _identity(path)
+    if folder is None or identity is None:
+        return False
+    try:
+        record = orjson.loads((folder / _CHECKED_FILE).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    return isinstance(record, dict) and record.get(f"{duckdb.__version__}:{path}") == identity
+
+
+def _record_checked(path: str) -> None:
+    """Record that ``path``, as it is on disk now, passed DuckDB's check (best effort)."""
+    folder, identity = _cache_dir(), _identity(path)
+    if folder is None or identity is None:
+        return
+    with contextlib.suppress(OSError, orjson.JSONDecodeError, TypeError):
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / _CHECKED_FILE
+        try:
+            record = orjson.loads(target.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            record = {}
+        if not isinstance(record, dict):
+            record = {}
+        record[f"{duckdb.__version__}:{path}"] = identity
+        tmp = folder / f".{_CHECKED_FILE}.{os.getpid()}.{threading.get_ident()}"
+        tmp.write_bytes(orjson.dumps(record))
+        os.replace(tmp, target)  # whole or not at all: a reader never sees half a record
+
 
 def _duckdb(extensions: list[str], config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
     """A new in-memory DuckDB with ``extensions`` loaded from their wheels, never the network."""
@@ -152,12 +211,14 @@ def _duckdb(extensions: list[str], config: dict[str, Any] | None = None) -> duck
 
 def _load(conn: duckdb.DuckDBPyConnection, name: str) -> None:
     """LOAD extension ``name`` into ``conn`` (opened by ``_duckdb``), its signature checked first
-    if this process has not checked it yet."""
+    if this process has not checked it yet and no earlier check of the same file is recorded."""
     path = extension_path(name)
     with _VERIFIED_LOCK:
         if path not in _VERIFIED:
-            with duckdb.connect(config={"autoinstall_known_extensions": False}) as checker:
-                checker.execute(f"LOAD '{_q(path)}'")  # fails on a file that is not DuckDB's, signed
+            if not _checked_before(path):
+                with duckdb.connect(config={"autoinstall_known_extensions": False}) as checker:
+                    checker.execute(f"LOAD '{_q(path)}'")  # fails on a file that is not DuckDB's, signed
+                _record_checked(path)
             _VERIFIED.add(path)
     conn.execute(f"LOAD '{_q(path)}'")
 
