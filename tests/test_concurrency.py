@@ -77,9 +77,9 @@ def test_queries_status_and_report_in_another_process_during_a_long_ingest(tmp_p
     corpus = pages(tmp_path / "in", range(8))  # one page a batch: 8 commits, each seen by the queries
     ingest_here(warehouse, pages(tmp_path / "first", [1000]))
     proc = start_ingest(warehouse, corpus)
-    counts, others, seen = [], [], activation_files(warehouse)
+    counts, others, seen = [], [], None  # a query at once (the ingest starting), then
     while proc.poll() is None:
-        if activation_files(warehouse) == seen:  # a query each time a batch is about to commit
+        if activation_files(warehouse) == seen:  # ... one each time a batch is about to commit
             time.sleep(0.02)
             continue
         seen = activation_files(warehouse)

@@ -130,3 +130,75 @@ def test_an_unreadable_or_broken_record_means_checking_again(tmp_path, monkeypat
     monkeypatch.setattr(wh, "_VERIFIED", set())
     wh._duckdb(["sqlite_scanner"]).close()
     assert len(checked) == 2
+
+
+# --- the record: only this user's, only a regular file, only the file that was checked ------------
+
+def _record_now(path, cache) -> None:
+    identity = wh._identity(str(path))
+    wh._record_checked(str(path), identity)
+    assert wh._checked_before(str(path)), "the record was not written"
+
+
+def test_a_file_swapped_during_its_check_is_not_recorded(tmp_path):
+    """The identity is taken before the check: if the file at the path is another one after it
+    (a rename over it, same size and modification time), nothing is recorded."""
+    good, unsigned = tmp_path / "sqlite_scanner.duckdb_extension", tmp_path / "other"
+    shutil.copyfile(wh.extension_path("sqlite_scanner"), good)
+    before = wh._identity(str(good))
+    shutil.copyfile(good, unsigned)
+    os.utime(unsigned, ns=(before[3], before[3]))
+    os.replace(unsigned, good)  # ... while DuckDB was hashing the first
+    wh._record_checked(str(good), before)
+    assert not (tmp_path / "cache" / wh._CHECKED_FILE).exists()
+    assert not wh._checked_before(str(good))
+
+
+@pytest.mark.parametrize("loosen", ["folder_writable_by_others", "file_writable_by_group", "file_of_another_user"])
+def test_a_record_others_could_have_written_is_not_believed(tmp_path, loosen):
+    copy = tmp_path / "sqlite_scanner.duckdb_extension"
+    shutil.copyfile(wh.extension_path("sqlite_scanner"), copy)
+    cache = tmp_path / "cache"
+    _record_now(copy, cache)
+    record = cache / wh._CHECKED_FILE
+    if loosen == "folder_writable_by_others":
+        cache.chmod(0o777)
+    elif loosen == "file_writable_by_group":
+        record.chmod(0o660)
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(record, 65534, 65534)
+    assert not wh._checked_before(str(copy))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link_to_dev_zero", "folder", "too_large"])
+def test_a_record_that_is_not_a_small_regular_file_is_ignored_and_nothing_is_left_behind(tmp_path, kind):
+    copy = tmp_path / "sqlite_scanner.duckdb_extension"
+    shutil.copyfile(wh.extension_path("sqlite_scanner"), copy)
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    record = cache / wh._CHECKED_FILE
+    if kind == "fifo":
+        os.mkfifo(record)  # reading it would wait for a writer for ever
+    elif kind == "link_to_dev_zero":
+        record.symlink_to("/dev/zero")  # reading it would never end
+    elif kind == "folder":
+        record.mkdir()
+    else:
+        record.write_bytes(b'{"x": "' + b"y" * wh._CHECKED_MAX_BYTES + b'"}')
+        record.chmod(0o600)
+    assert not wh._checked_before(str(copy))
+    wh._record_checked(str(copy), wh._identity(str(copy)))  # replaces it where it can, else gives up
+    assert sorted(p.name for p in cache.iterdir()) == [wh._CHECKED_FILE]
+    assert wh._checked_before(str(copy)) == (kind in ("fifo", "link_to_dev_zero", "too_large"))
+
+
+def test_records_of_files_that_are_gone_are_dropped(tmp_path):
+    a, b = tmp_path / "a.duckdb_extension", tmp_path / "b.duckdb_extension"
+    for p in (a, b):
+        shutil.copyfile(wh.extension_path("sqlite_scanner"), p)
+    _record_now(a, tmp_path / "cache")
+    a.unlink()  # an old virtualenv, removed
+    _record_now(b, tmp_path / "cache")
+    assert list(wh._read_checked(tmp_path / "cache")) == [f"{duckdb.__version__}:{b}"]

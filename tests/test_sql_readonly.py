@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Settings
-from tests.conftest import FIXTURES, query, run_ingest
+from tests.conftest import FIXTURES, run_ingest
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 
@@ -55,8 +55,9 @@ def untouched(wh):
     before = lake_files(wh)
     yield
     assert lake_files(wh) == before
-    # and it still reads whole (opened as `featurehouse sql` opens it: each test ran that command)
-    assert query(wh, "SELECT count(*) AS n, sum(len(tokens)) AS t FROM activations") == [(39, 26151)]
+    proc = fh("sql", "SELECT count(*) AS n, sum(len(tokens)) AS t FROM activations", "--warehouse", str(wh),
+              "--format", "csv")
+    assert proc.returncode == 0 and proc.stdout.split() == ["n,t", "39,26151"], proc.stderr
 
 
 def a_data_file(wh: Path) -> Path:

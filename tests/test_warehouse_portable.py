@@ -119,10 +119,13 @@ def test_a_warehouse_opened_through_a_relative_path_from_anywhere(wh, tmp_path):
     assert r.stdout.split() == expected
 
 
-def test_the_data_path_setting_points_a_moved_external_data_folder(tmp_path):
+def test_the_data_path_setting_points_a_moved_external_data_folder(tmp_path, monkeypatch):
     """Data kept outside the warehouse folder: after moving it, FEATUREHOUSE_DATA_PATH says where."""
     env = {"FEATUREHOUSE_DATA_PATH": str(tmp_path / "parquet")}
-    run_ingest([FIXTURES], Settings(warehouse=tmp_path / "wh", data_path=env["FEATUREHOUSE_DATA_PATH"]))  # set-up
+    with monkeypatch.context() as m:  # the first ingest (in-process), its data path from the environment
+        m.setenv("FEATUREHOUSE_DATA_PATH", env["FEATUREHOUSE_DATA_PATH"])
+        summary = run_ingest([FIXTURES], Settings.from_env(warehouse=tmp_path / "wh"))
+    assert summary.status == "succeeded" and summary.n_loaded == 1, summary
     expected = reads_everything(tmp_path / "wh", env=env)
     assert reads_everything(tmp_path / "wh") == expected  # the catalog remembers where it put them
     shutil.move(tmp_path / "parquet", tmp_path / "parquet-moved")

@@ -26,8 +26,10 @@ import random
 import re
 import shutil
 import sqlite3
+import stat as stat_module
 import struct
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -139,12 +141,16 @@ _VERIFIED_LOCK = threading.Lock()
 #: ... and once per file, not per process: a check that passed is recorded (``_CHECKED_FILE``)
 #: with what identifies that file's content on disk, so a later process whose file is the same
 #: does not hash it again (~0.3 s of CPU at each `featurehouse` command and Airflow task).
-#: The record holds the file's device, inode, size, modification and *change* time: a write to
-#: the file, a copy or a rename over it gives another inode or change time (which no user can
-#: set back), and then the file is checked again. The record lives in the user's cache folder
-#: (``FEATUREHOUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/featurehouse`` or ``~/.cache/featurehouse``);
-#: where it cannot be read or written, every process checks, as before.
+#: The record holds the file's device, inode, size, modification and *change* time, taken before
+#: the check and recorded only if the file is still the same after it: a write to the file, a copy
+#: or a rename over it gives another inode or change time (which only a user who may set the
+#: system clock can set back), and then the file is checked again. The record lives in the user's
+#: cache folder (``FEATUREHOUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/featurehouse`` or
+#: ``~/.cache/featurehouse``) and is believed only if this user owns it and its folder and no one
+#: else may write them (who can write it could have any file loaded unchecked); where it cannot
+#: be read or written, every process checks, as before.
 _CHECKED_FILE = "checked-extensions.json"
+_CHECKED_MAX_BYTES = 1 << 20
 
 
 def _cache_dir() -> Path | None:
@@ -164,36 +170,60 @@ def _identity(path: str) -> list[int] | None:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def _own_and_private(st: os.stat_result) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _read_checked(folder: Path) -> dict:
+    """The record in ``folder``: {} if missing, unreadable, not a regular file, larger than
+    ``_CHECKED_MAX_BYTES``, not JSON, or not this user's alone (it or its folder)."""
+    try:
+        if not _own_and_private(os.stat(folder)):
+            return {}
+        fd = os.open(folder / _CHECKED_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return {}
+    try:
+        st = os.fstat(fd)
+        if not stat_module.S_ISREG(st.st_mode) or st.st_size > _CHECKED_MAX_BYTES or not _own_and_private(st):
+            return {}
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            record = orjson.loads(f.read(_CHECKED_MAX_BYTES + 1))
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    finally:
+        os.close(fd)
+    return record if isinstance(record, dict) else {}
+
+
 def _checked_before(path: str) -> bool:
     """Whether a check of ``path``, as it is on disk now, passed in an earlier process."""
     folder, identity = _cache_dir(), _identity(path)
     if folder is None or identity is None:
         return False
-    try:
-        record = orjson.loads((folder / _CHECKED_FILE).read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return False
-    return isinstance(record, dict) and record.get(f"{duckdb.__version__}:{path}") == identity
+    return _read_checked(folder).get(f"{duckdb.__version__}:{path}") == identity
 
 
-def _record_checked(path: str) -> None:
-    """Record that ``path``, as it is on disk now, passed DuckDB's check (best effort)."""
-    folder, identity = _cache_dir(), _identity(path)
-    if folder is None or identity is None:
-        return
-    with contextlib.suppress(OSError, orjson.JSONDecodeError, TypeError):
-        folder.mkdir(parents=True, exist_ok=True)
-        target = folder / _CHECKED_FILE
-        try:
-            record = orjson.loads(target.read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            record = {}
-        if not isinstance(record, dict):
-            record = {}
+def _record_checked(path: str, identity: list[int] | None) -> None:
+    """Record that ``path`` passed DuckDB's check, if it is still the file ``identity`` (taken
+    before the check) names (best effort: a record that cannot be written is not written)."""
+    folder = _cache_dir()
+    if folder is None or identity is None or _identity(path) != identity:
+        return  # changed during the check: what was checked is not what is there now
+    with contextlib.suppress(OSError, TypeError, ValueError):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        record = _read_checked(folder)
+        # entries of files that are gone (an old virtualenv) are dropped
+        record = {k: v for k, v in record.items() if os.path.exists(k.partition(":")[2])}
         record[f"{duckdb.__version__}:{path}"] = identity
-        tmp = folder / f".{_CHECKED_FILE}.{os.getpid()}.{threading.get_ident()}"
-        tmp.write_bytes(orjson.dumps(record))
-        os.replace(tmp, target)  # whole or not at all: a reader never sees half a record
+        fd, tmp = tempfile.mkstemp(prefix=f".{_CHECKED_FILE}.", dir=folder)  # 0600, a new file
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(orjson.dumps(record))
+            os.replace(tmp, folder / _CHECKED_FILE)  # whole or not at all: a reader never sees half
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
 
 
 def _duckdb(extensions: list[str], config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
@@ -216,9 +246,10 @@ def _load(conn: duckdb.DuckDBPyConnection, name: str) -> None:
     with _VERIFIED_LOCK:
         if path not in _VERIFIED:
             if not _checked_before(path):
+                before = _identity(path)
                 with duckdb.connect(config={"autoinstall_known_extensions": False}) as checker:
                     checker.execute(f"LOAD '{_q(path)}'")  # fails on a file that is not DuckDB's, signed
-                _record_checked(path)
+                _record_checked(path, before)
             _VERIFIED.add(path)
     conn.execute(f"LOAD '{_q(path)}'")
 
