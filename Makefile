@@ -11,8 +11,8 @@ SAMPLES ?= samples
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-10s %s\n", $$1, $$2}'
 
-# uv installs the pinned set in ~13 s where pip took 64-100 s (a fresh clone here, 2026-12-02, uv's cache
-# empty); pip installs the same pins if uv cannot be had. --compile-bytecode, as pip does: this machine
+# uv installs the pinned set in ~30 s where pip took 64-100 s (a fresh clone here, 2026-12-02, byte-compiling
+# included); pip installs the same pins if uv cannot be had. --compile-bytecode, as pip does: this machine
 # sets PYTHONDONTWRITEBYTECODE, so without .pyc files every process compiles what it imports, each time
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
