@@ -62,8 +62,8 @@ def home(tmp_path_factory, fake_neuronpedia):
     )
     init(env)
     with _airflow_db(env) as conn:  # as `airflow pools list` prints them
-        pools = set(conn.execute("SELECT pool FROM slot_pool").fetchall())
-    assert {("neuronpedia_api",), ("warehouse_writer",)} <= pools
+        pools = set(conn.execute("SELECT pool, slots FROM slot_pool").fetchall())
+    assert {("neuronpedia_api", 4), ("warehouse_writer", 2)} <= pools  # the script's defaults
     return env
 
 
