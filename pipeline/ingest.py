@@ -189,17 +189,18 @@ class _Run:
         self.captured: dict[str, datetime] = {}  # input digest → when this capture was made
         # Inputs already landed. Those refused only for a size limit are looked at again: raising
         # FEATUREHOUSE_MAX_* is how a person acts on that reason, so the outcome may change.
-        rows = conn.execute(
-            f"SELECT input_sha256, reason LIKE '%{_LIMIT_MARK}%' FROM raw_inputs"
-        ).fetchall()
+        with warehouse.one_snapshot(conn):
+            rows = conn.execute(
+                f"SELECT input_sha256, reason LIKE '%{_LIMIT_MARK}%' FROM raw_inputs"
+            ).fetchall()
+            # A retried run (same run id, e.g. an Airflow retry) skips what its earlier attempt saw.
+            self.seen_this_run: set[str] = {
+                sha for (sha,) in conn.execute(
+                    "SELECT DISTINCT input_sha256 FROM run_inputs WHERE run_id = ?", [summary.run_id]
+                ).fetchall()
+            }
         self.landed_before = {sha for sha, _ in rows}
         self.known = {sha for sha, over_limit in rows if not over_limit}
-        # A retried run (same run id, e.g. an Airflow retry) skips what its earlier attempt saw.
-        self.seen_this_run: set[str] = {
-            sha for (sha,) in conn.execute(
-                "SELECT DISTINCT input_sha256 FROM run_inputs WHERE run_id = ?", [summary.run_id]
-            ).fetchall()
-        }
         self.seen_before_this_attempt = set(self.seen_this_run)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
         self._warming: threading.Thread | None = None  # the import of Great Expectations, in a thread

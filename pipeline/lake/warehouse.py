@@ -814,6 +814,23 @@ def is_conflict(exc: BaseException) -> bool:
     return isinstance(exc, duckdb.Error) and bool(_RETRYABLE.search(str(exc))) and not disk_full(exc)
 
 
+@contextlib.contextmanager
+def one_snapshot(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """Run the statements inside in one transaction that writes nothing to the lake: they read
+    one snapshot of it (the latest as the first of them reads), and DuckLake looks the snapshot
+    up once instead of once a statement (a lake read in autocommit costs ~10 ms here, ~5 ms in a
+    transaction). Temp tables and files written inside stay; nothing is committed to the lake.
+    Not for statements that change the lake: use ``transaction`` (the commit lock, retries)."""
+    conn.execute("BEGIN TRANSACTION")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(duckdb.Error):
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 @dataclass
 class CommitStats:
     """Where a writer's commits spent their time: how a run tells that commits are its bottleneck."""

@@ -38,7 +38,7 @@ from datetime import datetime
 import duckdb
 import pyarrow as pa
 
-from ..lake.warehouse import CATALOG, data_path, utcnow
+from ..lake.warehouse import CATALOG, data_path, one_snapshot, utcnow
 from .materialise import excerpt_from
 from .records import ARROW_SCHEMAS
 
@@ -306,19 +306,24 @@ class Prewritten:
         return [path for table, path in self.files.items() if table not in self.used]
 
 
-def _table_folder(conn: duckdb.DuckDBPyConnection, table: str) -> str:
-    """The folder DuckLake writes ``table``'s data files in (under the lake's data path as it is
-    open), so a file added from there is recorded relative to it, as DuckLake's own are."""
+def _table_folders(conn: duckdb.DuckDBPyConnection, tables: list[str]) -> dict[str, str]:
+    """The folder DuckLake writes each of ``tables``' data files in (under the lake's data path
+    as it is open), so a file added from there is recorded relative to it, as DuckLake's own are."""
+    if not tables:
+        return {}
     meta = f"__ducklake_metadata_{CATALOG}"
-    schema_path, schema_rel, table_path, table_rel = conn.execute(f"""
-        SELECT s.path, s.path_is_relative, t.path, t.path_is_relative
+    rows = conn.execute(f"""
+        SELECT t.table_name, s.path, s.path_is_relative, t.path, t.path_is_relative
         FROM {meta}.ducklake_table t JOIN {meta}.ducklake_schema s USING (schema_id)
-        WHERE t.table_name = ? AND s.schema_name = 'main' AND t.end_snapshot IS NULL AND s.end_snapshot IS NULL""",
-        [table]).fetchone()
+        WHERE list_contains(?, t.table_name) AND s.schema_name = 'main' AND t.end_snapshot IS NULL
+          AND s.end_snapshot IS NULL""", [tables]).fetchall()
     base = data_path(conn)
-    schema = base.rstrip("/") + "/" + schema_path.lstrip("/") if schema_rel else schema_path
-    folder = schema.rstrip("/") + "/" + table_path.lstrip("/") if table_rel else table_path
-    return folder.rstrip("/") + "/"
+    folders = {}
+    for table, schema_path, schema_rel, table_path, table_rel in rows:
+        schema = base.rstrip("/") + "/" + schema_path.lstrip("/") if schema_rel else schema_path
+        folder = schema.rstrip("/") + "/" + table_path.lstrip("/") if table_rel else table_path
+        folders[table] = folder.rstrip("/") + "/"
+    return folders
 
 
 def _sql_text(v: str) -> str:
@@ -347,19 +352,23 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
     write those rows of each data table to a Parquet file in the table's folder. The rows are
     not visible to anyone until a commit adds the file; a file no commit adds (the decision
     changed, or the writer died) is an orphan, which ``maintain`` deletes after its grace."""
-    plan = Prewritten(snapshot=_snapshot(conn))
-    plan.has_rows = _plan(conn, reprocess)
-    for table in DATA_TABLES:
-        conn.execute(f"CREATE OR REPLACE TEMP TABLE planned_{table} AS SELECT _row, captured_at_ FROM incoming_{table}")
-        if not conn.execute(f"SELECT EXISTS (FROM incoming_{table})").fetchone()[0]:
-            continue
-        folder = _table_folder(conn, table)
-        if "://" not in folder:
-            os.makedirs(folder, exist_ok=True)  # DuckLake makes a table's folder at its first write
-        path = f"{folder}featurehouse-{uuid.uuid4()}.parquet"
-        conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {_sql_text(path)} "
-                     f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE})")
-        plan.files[table] = path
+    with one_snapshot(conn):  # what it decides, it decides against one snapshot: the one it records
+        plan = Prewritten(snapshot=_snapshot(conn))
+        plan.has_rows = _plan(conn, reprocess)
+        writing = []
+        for table in DATA_TABLES:
+            conn.execute(f"CREATE OR REPLACE TEMP TABLE planned_{table} AS SELECT _row, captured_at_ FROM incoming_{table}")
+            if conn.execute(f"SELECT EXISTS (FROM incoming_{table})").fetchone()[0]:
+                writing.append(table)
+        folders = _table_folders(conn, writing)
+        for table in writing:
+            folder = folders[table]
+            if "://" not in folder:
+                os.makedirs(folder, exist_ok=True)  # DuckLake makes a table's folder at its first write
+            path = f"{folder}featurehouse-{uuid.uuid4()}.parquet"
+            conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {_sql_text(path)} "
+                         f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE})")
+            plan.files[table] = path
     return plan
 
 

@@ -698,10 +698,9 @@ def _own_key(a: str) -> str:
 
 
 def _table_columns(conn: duckdb.DuckDBPyConnection, name: str) -> dict[str, str]:
-    """A temp table's columns and their types, but ``input_sha256``."""
-    return {c: t for c, t in conn.execute(
-        "SELECT column_name, data_type FROM duckdb_columns() WHERE database_name = 'temp' AND table_name = ?",
-        [name]).fetchall() if c != "input_sha256"}
+    """A temp table's columns and their types, but ``input_sha256``. (``DESCRIBE`` of the one
+    table: ``duckdb_columns()`` would list the lake's tables too, a catalog read.)"""
+    return {c: t for c, t, *_ in conn.execute(f'DESCRIBE temp.main."{name}"').fetchall() if c != "input_sha256"}
 
 
 def _export_select(table: str, unlisted: list[str] = ()) -> str:
