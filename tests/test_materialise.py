@@ -123,6 +123,7 @@ def test_refresh_only_touches_changed_features_and_mends_a_crash(tmp_path):
         conn.execute("DELETE FROM source_activation_stats")
         r = refresh(conn, settings)  # all features
         assert (r.n_features, r.n_sources, r.feature_stats_rows) == (2, 1, 6)
+        assert r.source_stats_rows == conn.execute("SELECT count(*) FROM source_activation_stats").fetchone()[0] > 0
         after = conn.execute("SELECT * EXCLUDE (refreshed_at) FROM feature_activation_stats ORDER BY ALL").fetchall()
         assert after == before
         r = refresh(conn, settings, "no-such-run")
