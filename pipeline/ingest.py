@@ -717,6 +717,8 @@ def ingest(
         summary.status = "failed"
         if run_started is not None:
             run_started.close()
+        with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open
+            conn.execute("ROLLBACK")
         with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
             conn.execute(f"USE {warehouse.CATALOG}")
         try:

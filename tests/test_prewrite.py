@@ -126,3 +126,26 @@ def test_a_writer_killed_before_its_commit_leaves_no_rows_and_maintain_deletes_i
     assert r.returncode == 0, r.stdout + r.stderr
     assert not orphans & _ours(settings.warehouse), "maintain deleted the files no commit added"
     assert query(settings.warehouse, "SELECT description FROM explanations") == [("v0",)]
+
+
+def test_the_decision_reads_one_snapshot_and_an_error_inside_leaves_no_transaction(tmp_path):
+    """``one_snapshot`` (what prewrite decides in): every read inside sees the snapshot the first
+    one saw, even after another writer commits; an error inside rolls it back, leaving the
+    connection out of any transaction and the lake as it was."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    assert run_ingest([write(tmp_path / "a" / "page.json", to_api_json(good_page(1)))], settings).n_loaded == 1
+    with wh.connect(settings) as conn, wh.connect(settings) as other:
+        with wh.one_snapshot(conn):
+            first = conn.execute(f"SELECT id FROM {wh.CATALOG}.current_snapshot()").fetchone()[0]
+            assert conn.execute("SELECT count(*) FROM features").fetchone() == (1,)
+            other.execute("INSERT INTO models (model_id) VALUES ('committed-beside-it')")  # autocommit
+            assert conn.execute("SELECT count(*) FROM models WHERE model_id = 'committed-beside-it'").fetchone() == (0,)
+            assert conn.execute(f"SELECT id FROM {wh.CATALOG}.current_snapshot()").fetchone()[0] == first
+        assert conn.execute("SELECT count(*) FROM models WHERE model_id = 'committed-beside-it'").fetchone() == (1,)
+        n_snapshots = conn.execute(f"SELECT count(*) FROM {wh.CATALOG}.snapshots()").fetchone()[0]
+        with contextlib.suppress(ZeroDivisionError), wh.one_snapshot(conn):
+            conn.execute("CREATE OR REPLACE TEMP TABLE scratch AS SELECT 1 AS x")
+            raise ZeroDivisionError
+        conn.execute("BEGIN TRANSACTION")  # none was left open
+        conn.execute("ROLLBACK")
+        assert conn.execute(f"SELECT count(*) FROM {wh.CATALOG}.snapshots()").fetchone()[0] == n_snapshots

@@ -821,8 +821,8 @@ def one_snapshot(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
     up once instead of once a statement (a lake read in autocommit costs ~10 ms here, ~5 ms in a
     transaction). Temp tables and files written inside stay; nothing is committed to the lake.
     Not for statements that change the lake: use ``transaction`` (the commit lock, retries)."""
-    conn.execute("BEGIN TRANSACTION")
     try:
+        conn.execute("BEGIN TRANSACTION")  # inside: an interrupt (SIGTERM) just after it rolls back too
         yield
     except BaseException:
         with contextlib.suppress(duckdb.Error):
