@@ -149,3 +149,26 @@ def test_the_decision_reads_one_snapshot_and_an_error_inside_leaves_no_transacti
         conn.execute("BEGIN TRANSACTION")  # none was left open
         conn.execute("ROLLBACK")
         assert conn.execute(f"SELECT count(*) FROM {wh.CATALOG}.snapshots()").fetchone()[0] == n_snapshots
+
+
+def test_an_interrupt_at_the_decisions_commit_leaves_no_transaction_open(tmp_path):
+    """A signal (SIGTERM raises in the main thread) that lands at ``one_snapshot``'s COMMIT rolls
+    the transaction back: the run's failure can then be recorded (its BEGIN would fail inside an
+    open transaction, leaving the run `running`)."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    assert run_ingest([write(tmp_path / "a" / "page.json", to_api_json(good_page(1)))], settings).n_loaded == 1
+
+    class InterruptedAtCommit:  # the connection as one_snapshot sees it, a signal arriving at COMMIT
+        def __init__(self, conn):
+            self.conn = conn
+
+        def execute(self, sql, *args):
+            if sql == "COMMIT":
+                raise KeyboardInterrupt
+            return self.conn.execute(sql, *args)
+
+    with wh.connect(settings) as conn:
+        with contextlib.suppress(KeyboardInterrupt), wh.one_snapshot(InterruptedAtCommit(conn)):
+            conn.execute("SELECT count(*) FROM features").fetchall()
+        conn.execute("BEGIN TRANSACTION")  # none was left open
+        conn.execute("ROLLBACK")

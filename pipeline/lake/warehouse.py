@@ -821,14 +821,14 @@ def one_snapshot(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
     up once instead of once a statement (a lake read in autocommit costs ~10 ms here, ~5 ms in a
     transaction). Temp tables and files written inside stay; nothing is committed to the lake.
     Not for statements that change the lake: use ``transaction`` (the commit lock, retries)."""
-    try:
-        conn.execute("BEGIN TRANSACTION")  # inside: an interrupt (SIGTERM) just after it rolls back too
+    try:  # BEGIN and COMMIT inside: an interrupt (SIGTERM) at either rolls back too
+        conn.execute("BEGIN TRANSACTION")
         yield
+        conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(duckdb.Error):
             conn.execute("ROLLBACK")
         raise
-    conn.execute("COMMIT")
 
 
 @dataclass
