@@ -9,10 +9,17 @@ airflow db migrate
 # their slots and descriptions set again, as `airflow pools set` would.
 pools="$(mktemp)"
 trap 'rm -f "$pools"' EXIT
-python -c 'import json, os, sys; json.dump({
-    "neuronpedia_api": {"slots": int(os.environ.get("FEATUREHOUSE_API_SLOTS") or 4), "include_deferred": False,
+python -c 'import json, os, sys
+def slots(name, default):
+    value = os.environ.get(name) or default
+    try:
+        return int(value)
+    except ValueError:
+        sys.exit(f"{name}={value!r} is not a whole number of pool slots")
+json.dump({
+    "neuronpedia_api": {"slots": slots("FEATUREHOUSE_API_SLOTS", 4), "include_deferred": False,
                         "description": "Fetch tasks calling Neuronpedia at once (they share the nightly rate budget)"},
-    "warehouse_writer": {"slots": int(os.environ.get("FEATUREHOUSE_WRITER_SLOTS") or 2), "include_deferred": False,
+    "warehouse_writer": {"slots": slots("FEATUREHOUSE_WRITER_SLOTS", 2), "include_deferred": False,
                          "description": "Loads running at once (memory); commits are serialised by the warehouse'"'"'s commit lock, not by this pool"},
 }, sys.stdout)' > "$pools"
 airflow pools import "$pools"

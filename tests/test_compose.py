@@ -136,8 +136,8 @@ def test_init_runs_the_script_the_tests_run():
     assert "airflow db migrate" in text
     # the pools every DAG names; the writer pool bounds memory, not correctness (commit lock)
     # (made by one `airflow pools import`; tests/test_airflow_dags_test.py reads them back)
-    assert re.search(r'"warehouse_writer": \{"slots": int\(os.environ.get\("FEATUREHOUSE_WRITER_SLOTS"\) or 2\)', text)
-    assert re.search(r'"neuronpedia_api": \{"slots": int\(os.environ.get\("FEATUREHOUSE_API_SLOTS"\) or 4\)', text)
+    assert '"warehouse_writer": {"slots": slots("FEATUREHOUSE_WRITER_SLOTS", 2)' in text
+    assert '"neuronpedia_api": {"slots": slots("FEATUREHOUSE_API_SLOTS", 4)' in text
     assert 'airflow pools import "$pools"' in text
     assert "AIRFLOW_ADMIN_PASSWORD" in SVC["airflow-init"]["environment"]
 
