@@ -107,9 +107,9 @@ def _big_export(path: Path, n_rows: int) -> int:
 def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
     """A ~300 MB activations batch loads with a bounded footprint. The Python parser holds the
     text and its objects (measured: 9.7 GB for a batch of 600 MB, ~16 times its text: ~4.8 GB for
-    this one, past the bound below); DuckDB streams it, spilling past its 1 GB cap (measured:
-    ~1.9 GB for a batch of 600 MB and ~2.0 GB for one twice as large). The size is what proves
-    the point and no more: the bound holds at any size."""
+    this one, past the bound below); DuckDB streams it (measured: ~1.9 GB for a batch of 600 MB,
+    spilling past its 1 GB cap, and ~2.0 GB for one twice as large). The size is what proves the
+    point and no more: the bound holds at any size."""
     src = tmp_path / "in" / "activations__batch-0.jsonl.gz"
     src.parent.mkdir()
     decompressed = _big_export(src, 22_500)
