@@ -619,20 +619,19 @@ def _build(settings: Settings, directory: Path, path: Path) -> IndexInfo:
     # before the snapshot: a commit in between makes it look older, never newer
     state = lake_state(settings, 0)
     with warehouse_mod.connect(settings, read_only=True) as lake:
-        lake.execute("BEGIN")  # one snapshot for every read
-        snapshot = _snapshot(lake)
-        at = _snapshot_time(lake, snapshot)
-        queries = _lake_rows_sql(None)
-        emb_rows = _write_matrices(directory, generation, lake, queries["emb"], 0, "wb")
-        with _connect_index(tmp, read_only=False) as idx:
-            idx.execute(_SCHEMA)
-            _load_rows(idx, lake, queries, emb_rows)
-            _fts(idx)
-            _meta(idx, version=INDEX_VERSION, snapshot_id=snapshot, generation=generation,
-                  n_rows=emb_rows.num_rows, built_at=datetime.now(timezone.utc).isoformat(),
-                  warehouse_id=state.identity, fingerprint=state.fingerprint, snapshot_time=at)
-            counts = _counts(idx)
-        lake.execute("COMMIT")
+        with warehouse_mod.one_snapshot(lake):  # one snapshot for every read
+            snapshot = _snapshot(lake)
+            at = _snapshot_time(lake, snapshot)
+            queries = _lake_rows_sql(None)
+            emb_rows = _write_matrices(directory, generation, lake, queries["emb"], 0, "wb")
+            with _connect_index(tmp, read_only=False) as idx:
+                idx.execute(_SCHEMA)
+                _load_rows(idx, lake, queries, emb_rows)
+                _fts(idx)
+                _meta(idx, version=INDEX_VERSION, snapshot_id=snapshot, generation=generation,
+                      n_rows=emb_rows.num_rows, built_at=datetime.now(timezone.utc).isoformat(),
+                      warehouse_id=state.identity, fingerprint=state.fingerprint, snapshot_time=at)
+                counts = _counts(idx)
     os.replace(tmp, path)
     _drop_old_generations(directory, keep={generation})
     return IndexInfo(snapshot, "built", *counts, n_changed_features=counts[0], seconds=time.monotonic() - t0)
@@ -732,49 +731,48 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
     since, generation, n_rows = int(meta["snapshot_id"]), meta["generation"], int(meta["n_rows"])
     state = lake_state(settings, since)
     with warehouse_mod.connect(settings, read_only=True) as lake:
-        lake.execute("BEGIN")
-        snapshot = _snapshot(lake)
-        at = _snapshot_time(lake, snapshot)
-        parts = []
-        for t in _FIND_TABLES:
-            parts.append(f"""SELECT model_id, source_id, feature_index
-                             FROM ducklake_table_changes('{warehouse_mod.CATALOG}', 'main', '{t}', {since + 1}, {snapshot})""")
-        try:
-            lake.execute("CREATE TEMP TABLE changed_keys AS " + " UNION ".join(parts))
-        except duckdb.Error as exc:  # snapshots expired by maintenance, a table made since
-            raise _RebuildInstead(f"the change feed since snapshot {since} cannot be read: {exc}") from None
-        (n_changed,) = lake.execute("SELECT count(*) FROM changed_keys").fetchone()
-        tmp = directory / f".index-{generation}-{uuid.uuid4().hex[:6]}.duckdb"
-        shutil.copyfile(path, tmp)
-        try:
-            with _connect_index(tmp, read_only=False) as idx:
-                (n_features,) = idx.execute("SELECT count(*) FROM features").fetchone()
-                if n_changed > max(1000, _REFRESH_WHOLE_SHARE * n_features):
-                    raise _RebuildInstead(f"{n_changed:,} of {n_features:,} features changed")
-                idx.register("_changed", lake.execute("SELECT * FROM changed_keys").fetch_arrow_table())
-                idx.execute("CREATE TEMP TABLE changed_keys AS SELECT * FROM _changed")
-                idx.unregister("_changed")
-                idx.execute("""CREATE TEMP TABLE changed_fids AS SELECT fid FROM features
-                               SEMI JOIN changed_keys USING (model_id, source_id, feature_index)""")
-                for t in ("docs", "tokens", "basis_tokens"):
-                    idx.execute(f"DELETE FROM {t} WHERE fid IN (SELECT fid FROM changed_fids)")
-                idx.execute("UPDATE emb_rows SET live = false WHERE fid IN (SELECT fid FROM changed_fids)")
-                idx.execute("DELETE FROM features WHERE fid IN (SELECT fid FROM changed_fids)")
-                # the changed features' rows, read again (a feature now gone reads as none)
-                lake.execute("CREATE TEMP TABLE changed AS SELECT DISTINCT * FROM changed_keys")
-                queries = _lake_rows_sql("changed")
-                emb_rows = _write_matrices(directory, generation, lake, queries["emb"], n_rows, "r+b")
-                # a changed feature takes a new fid: its old one is left only on dead rows
-                _load_rows(idx, lake, queries, emb_rows)
-                idx.execute(_FTS_UPDATE)
-                _meta(idx, snapshot_id=snapshot, n_rows=n_rows + emb_rows.num_rows,
-                      refreshed_at=datetime.now(timezone.utc).isoformat(), fingerprint=state.fingerprint,
-                      snapshot_time=at)
-                counts = _counts(idx)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        lake.execute("COMMIT")
+        with warehouse_mod.one_snapshot(lake):  # one snapshot for every read
+            snapshot = _snapshot(lake)
+            at = _snapshot_time(lake, snapshot)
+            parts = []
+            for t in _FIND_TABLES:
+                parts.append(f"""SELECT model_id, source_id, feature_index
+                                 FROM ducklake_table_changes('{warehouse_mod.CATALOG}', 'main', '{t}', {since + 1}, {snapshot})""")
+            try:
+                lake.execute("CREATE TEMP TABLE changed_keys AS " + " UNION ".join(parts))
+            except duckdb.Error as exc:  # snapshots expired by maintenance, a table made since
+                raise _RebuildInstead(f"the change feed since snapshot {since} cannot be read: {exc}") from None
+            (n_changed,) = lake.execute("SELECT count(*) FROM changed_keys").fetchone()
+            tmp = directory / f".index-{generation}-{uuid.uuid4().hex[:6]}.duckdb"
+            shutil.copyfile(path, tmp)
+            try:
+                with _connect_index(tmp, read_only=False) as idx:
+                    (n_features,) = idx.execute("SELECT count(*) FROM features").fetchone()
+                    if n_changed > max(1000, _REFRESH_WHOLE_SHARE * n_features):
+                        raise _RebuildInstead(f"{n_changed:,} of {n_features:,} features changed")
+                    idx.register("_changed", lake.execute("SELECT * FROM changed_keys").fetch_arrow_table())
+                    idx.execute("CREATE TEMP TABLE changed_keys AS SELECT * FROM _changed")
+                    idx.unregister("_changed")
+                    idx.execute("""CREATE TEMP TABLE changed_fids AS SELECT fid FROM features
+                                   SEMI JOIN changed_keys USING (model_id, source_id, feature_index)""")
+                    for t in ("docs", "tokens", "basis_tokens"):
+                        idx.execute(f"DELETE FROM {t} WHERE fid IN (SELECT fid FROM changed_fids)")
+                    idx.execute("UPDATE emb_rows SET live = false WHERE fid IN (SELECT fid FROM changed_fids)")
+                    idx.execute("DELETE FROM features WHERE fid IN (SELECT fid FROM changed_fids)")
+                    # the changed features' rows, read again (a feature now gone reads as none)
+                    lake.execute("CREATE TEMP TABLE changed AS SELECT DISTINCT * FROM changed_keys")
+                    queries = _lake_rows_sql("changed")
+                    emb_rows = _write_matrices(directory, generation, lake, queries["emb"], n_rows, "r+b")
+                    # a changed feature takes a new fid: its old one is left only on dead rows
+                    _load_rows(idx, lake, queries, emb_rows)
+                    idx.execute(_FTS_UPDATE)
+                    _meta(idx, snapshot_id=snapshot, n_rows=n_rows + emb_rows.num_rows,
+                          refreshed_at=datetime.now(timezone.utc).isoformat(), fingerprint=state.fingerprint,
+                          snapshot_time=at)
+                    counts = _counts(idx)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
     return IndexInfo(snapshot, "refreshed", *counts, n_changed_features=n_changed, seconds=time.monotonic() - t0)
 
 
