@@ -187,6 +187,8 @@ OUTSIDE_WRITER = textwrap.dedent("""
             commits += 1
         except duckdb.Error:
             conflicts += 1
+        if commits == 1:
+            print("writing", flush=True)
         time.sleep(0.02)
     print(commits, conflicts)
 """)
@@ -200,9 +202,19 @@ def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_p
     outside = subprocess.Popen([sys.executable, "-c", OUTSIDE_WRITER, str(warehouse), "25"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                cwd=Path(__file__).resolve().parent.parent)
-    time.sleep(2)
-    finish(start_ingest(warehouse, v2, env={"FEATUREHOUSE_COMMIT_ATTEMPTS": "50"}))
-    out, _ = outside.communicate(input="", timeout=120)  # at most 25 s of writes, fewer if the load ends first
+    assert outside.stdout.readline() == "writing\n", "the outside writer did not start writing"
+    load = start_ingest(warehouse, v2, env={"FEATUREHOUSE_COMMIT_ATTEMPTS": "50"})
+    err = []
+    for line in load.stderr:  # the writer stops once the load has lost a commit to it (the load's
+        err.append(line)      # retries back off exponentially: kept writing, it wins for its 25 s)
+        if "commit conflict" in line and not outside.stdin.closed:
+            outside.stdin.close()
+    load.wait(timeout=600)
+    assert load.returncode == 0, f"ingest failed ({load.returncode}):\n{''.join(err)}"
+    if not outside.stdin.closed:
+        outside.stdin.close()
+    out = outside.stdout.read()  # at most 25 s of writes, fewer once the load lost one
+    outside.wait(timeout=120)
     assert outside.returncode == 0 and int(out.split()[0]) > 0, f"the outside writer did not write: {out}"
     (retries,) = query(warehouse, "SELECT commit_retries FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     assert retries > 0, "the outside writer never conflicted with the load: the test proved nothing"
