@@ -1,7 +1,7 @@
 """Write one feature page in every shape Neuronpedia produces, for tests.
 
 Written from the format notes (shared/docs/neuronpedia-formats.md), independently of
-``pipeline/flight.py``, so that a test which encodes here and decodes there checks the decoder
+``pipeline/stages/flight.py``, so that a test which encodes here and decodes there checks the decoder
 against a second reading of the format, not against itself.
 
 A page is a plain dict. Two Python values stand for what JSON cannot say: ``datetime`` (the

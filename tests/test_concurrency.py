@@ -143,6 +143,13 @@ def _same_tables(a: Path, b: Path) -> None:
         assert _rounded(table_rows(a, table)) == _rounded(table_rows(b, table)), f"{table} differs"
 
 
+def _ran_at_once(warehouse: Path) -> None:
+    """The two runs overlapped in time (one began before the other ended): otherwise the test
+    showed only two ingests one after the other."""
+    (started, finished), = query(warehouse, "SELECT max(started_at), min(finished_at) FROM runs")
+    assert started < finished, f"the two ingests did not run at once: one began at {started}, after the other ended at {finished}"
+
+
 @pytest.mark.heavy(45)
 def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     one, two = pages(tmp_path / "one", range(0, 4)), pages(tmp_path / "two", range(100, 104))
@@ -154,6 +161,7 @@ def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     assert query(tmp_path / "wh", "SELECT count(*) FROM features") == [(8,)]
     _same_tables(tmp_path / "wh", tmp_path / "alone")
     assert query(tmp_path / "wh", "SELECT count(*), sum(n_loaded) FROM runs WHERE status = 'succeeded'") == [(2, 8)]
+    _ran_at_once(tmp_path / "wh")
 
 
 @pytest.mark.heavy(45)
@@ -165,6 +173,7 @@ def test_two_concurrent_ingests_of_the_same_corpus_equal_one_ingest(tmp_path):
     ingest_here(tmp_path / "alone", corpus)
     _same_tables(tmp_path / "wh", tmp_path / "alone")
     assert query(tmp_path / "wh", "SELECT count(*), count(DISTINCT input_sha256) FROM raw_inputs") == [(4, 4)]
+    _ran_at_once(tmp_path / "wh")
 
 
 OUTSIDE_WRITER = textwrap.dedent("""

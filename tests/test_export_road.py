@@ -102,14 +102,27 @@ def _big_export(path: Path, n_rows: int) -> int:
     return written
 
 
+#: For a child process: the Python parser refuses gzip input (it would hold the batch whole),
+#: so a big-batch test passes only on DuckDB's streaming road, whatever its size.
+NO_PYTHON_ROAD = (
+    "import importlib\n"
+    "_ingest = importlib.import_module('pipeline.ingest')\n"
+    "_parse = _ingest.parse_bytes\n"
+    "def _guarded(data, *a, **kw):\n"
+    "    assert not data.startswith(b'\\x1f\\x8b'), 'a gzip input took the Python road'\n"
+    "    return _parse(data, *a, **kw)\n"
+    "_ingest.parse_bytes = _guarded\n"
+)
+
+
 @pytest.mark.slow
 @pytest.mark.heavy(45)
 def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
-    """A ~300 MB activations batch loads with a bounded footprint. The Python parser holds the
-    text and its objects (measured: 9.7 GB for a batch of 600 MB, ~16 times its text: ~4.8 GB for
-    this one, past the bound below); DuckDB streams it (measured: ~1.9 GB for a batch of 600 MB,
-    spilling past its 1 GB cap, and ~2.0 GB for one twice as large). The size is what proves the
-    point and no more: the bound holds at any size."""
+    """A ~300 MB activations batch loads with a bounded footprint, on DuckDB's streaming road:
+    the child process refuses the Python parser for gzip (``NO_PYTHON_ROAD``), which holds the
+    text and its objects (measured: 9.7 GB for a batch of 600 MB, ~16 times its text). DuckDB
+    streams it (measured: ~1.9 GB for a batch of 600 MB, spilling past its 1 GB cap, and ~2.0 GB
+    for one twice as large); the bound holds at any size, so the batch is no larger than needed."""
     src = tmp_path / "in" / "activations__batch-0.jsonl.gz"
     src.parent.mkdir()
     decompressed = _big_export(src, 22_500)
@@ -117,6 +130,7 @@ def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
     wh = tmp_path / "wh.duckdb"
     script = (
         "import os, resource, sys\n"
+        + NO_PYTHON_ROAD +
         "from pipeline import ingest, Settings\n"
         "s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False, report_after=False)\n"
         "print(s.n_activations, s.n_rejected, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
@@ -286,12 +300,13 @@ def _big_export_with_a_cut_line(path: Path, n_rows: int, cut: int) -> int:
 @pytest.mark.slow
 @pytest.mark.heavy(45)
 def test_a_cut_line_in_a_batch_larger_than_duckdbs_cap_is_quarantined_within_2_gib(tmp_path):
-    """A batch larger than DuckDB's memory cap (the Python road would hold it whole: it took
-    9.7 GB for a batch of 600 MB) loads on DuckDB's streaming road with its one cut line
-    quarantined, the good line the cut ran into loaded, and the process's peak RSS under 2 GiB,
-    a container's ``--memory 2g`` (DuckDB capped at 768 MB, so that Python, Great Expectations
-    and DuckDB's own allocations fit beside it). The bound holds at any size above the cap
-    (measured 1.6-1.7 GiB for 2.2 GiB, 1.4 GiB for 0.7 GiB): the batch is just above it."""
+    """A batch larger than DuckDB's memory cap loads on DuckDB's streaming road (the child refuses
+    the Python parser for gzip, ``NO_PYTHON_ROAD``: it would hold the batch whole, 9.7 GB for one
+    of 600 MB) with its one cut line quarantined, the good line the cut ran into loaded, and the
+    process's peak RSS under 2 GiB, a container's ``--memory 2g`` (DuckDB capped at 768 MB, so
+    that Python, Great Expectations and DuckDB's own allocations fit beside it). The bound holds
+    at any size above the cap (measured 1.6-1.7 GiB for 2.2 GiB, 1.5 GiB for this 0.81 GiB
+    batch): the batch is just above the cap."""
     cap = 768 * 10**6
     n_rows, cut = 64_000, 32_000
     src = tmp_path / "in" / "activations__batch-0.jsonl.gz"
@@ -301,6 +316,7 @@ def test_a_cut_line_in_a_batch_larger_than_duckdbs_cap_is_quarantined_within_2_g
     wh = tmp_path / "wh"
     script = (
         "import sys\n"
+        + NO_PYTHON_ROAD +
         "from pipeline import ingest, Settings\n"
         "s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False, report_after=False)\n"
         "print(s.status, s.n_activations, s.n_rejected, s.n_quarantined)\n"

@@ -1,4 +1,4 @@
-"""Draining the inbox (pipeline/inbox.py): a file leaves only after it has landed."""
+"""Draining the inbox (pipeline/sources/inbox.py): a file leaves only after it has landed."""
 
 from __future__ import annotations
 

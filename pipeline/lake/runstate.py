@@ -294,7 +294,7 @@ def finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
                               extra={"run_id": summary.run_id}, stats=summary.stats)
         return
     # A part only adds its counts: the run's status is decided once all parts are done
-    # (pipeline.fetch.finish_fetched).
+    # (pipeline.sources.fetch.finish_fetched).
     summary.written = warehouse.transaction(
         conn, settings, part_body, message=f"run {summary.run_id} part c{summary.part} {summary.status}",
         extra={"run_id": summary.run_id, "part": summary.part}, stats=summary.stats)
