@@ -412,11 +412,11 @@ class _Run:
         if s.part is not None:
             s.written = counts
 
-    def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, superseded: list[dict], now) -> None:
-        """Commit the batch: one transaction, one snapshot, under the commit lock, retried whole
-        if it loses a commit race. Everything that need not see the committed state (the
-        quarantined records as received, the bookkeeping rows) is prepared before it."""
-        conn, s, run_id = self.conn, self.summary, self.summary.run_id
+    def _bookkeeping(self, batch: _Batch, outcome: validate.ValidationOutcome, now) -> tuple[list, list, list, list]:
+        """What the commit records beside the rows, prepared before it (none of it needs the
+        committed state): the failed rows (also as the temp table ``failed_rows``), the
+        quarantined records as received, the expectation results and the run's inputs."""
+        conn, run_id = self.conn, self.summary.run_id
         failed = sorted({(q["table"], q["row"]) for q in outcome.quarantine})
         conn.register("_failed", pa.table({"tbl": pa.array([t for t, _ in failed], pa.string()),
                                            "_row": pa.array([r for _, r in failed], pa.int64())}))
@@ -441,6 +441,14 @@ class _Run:
              "outcome": "rejected" if reason else "loaded"}
             for landed, _, reason in batch.inputs
         ]
+        return failed, quarantine, results, run_inputs
+
+    def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, superseded: list[dict], now) -> None:
+        """Commit the batch: one transaction, one snapshot, under the commit lock, retried whole
+        if it loses a commit race. Everything that need not see the committed state (the
+        quarantined records as received, the bookkeeping rows) is prepared before it."""
+        conn, s, run_id = self.conn, self.summary, self.summary.run_id
+        failed, quarantine, results, run_inputs = self._bookkeeping(batch, outcome, now)
         shas = [landed.sha256 for landed, _, _ in batch.inputs]
 
         # The batch's rows are written before the commit lock is taken; the commit adds the
@@ -466,32 +474,7 @@ class _Run:
             conn.execute("DELETE FROM quarantine WHERE list_contains($shas, input_sha256)", {"shas": shas})
             insert_rows(conn, "quarantine", quarantine)
             insert_rows(conn, "validation_results", results)
-            raw_rows = []
-            for landed, fmt, reason in batch.inputs:
-                raw_rows.append({
-                    "input_sha256": landed.sha256, "origin": landed.input.origin, "format": fmt,
-                    "n_bytes": landed.n_bytes, "received_at": now, "run_id": run_id,
-                    "captured_at": self.captured.get(landed.sha256),
-                    "status": "rejected" if reason else "loaded", "reason": reason,
-                    "landed_path": str(landed.path),
-                    **{f"n_{t}": loaded[t].get(landed.sha256, 0) for t in _DATA_TABLES},
-                })
-            if raw_rows:
-                # An input read again keeps its first origin, run and receipt time; what parsing
-                # decided (format, status, reason, counts) is updated, and its capture time is the
-                # newest of its bytes'.
-                conn.register("_raw_rows", pa.Table.from_pylist(raw_rows))
-                conn.execute(
-                    """UPDATE raw_inputs AS t SET format = s.format, status = s.status, reason = s.reason,
-                              n_features = s.n_features, n_activations = s.n_activations,
-                              n_explanations = s.n_explanations, captured_at = greatest(t.captured_at, s.captured_at)
-                       FROM _raw_rows AS s WHERE t.input_sha256 = s.input_sha256"""
-                )
-                conn.execute(
-                    "INSERT INTO raw_inputs BY NAME SELECT * FROM _raw_rows "
-                    "WHERE input_sha256 NOT IN (SELECT input_sha256 FROM raw_inputs)"
-                )
-                conn.unregister("_raw_rows")
+            self._record_inputs(conn, batch, loaded, now)
             insert_rows(conn, "run_inputs", run_inputs)
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
@@ -514,6 +497,36 @@ class _Run:
             s.written = counts
         for c, n in delta.items():
             setattr(s, c, getattr(s, c) + n)
+
+    def _record_inputs(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, loaded: dict, now) -> None:
+        """The batch's inputs in ``raw_inputs``, in the commit: what each loaded (``loaded``: rows
+        per table and input digest) or why it was rejected."""
+        run_id, raw_rows = self.summary.run_id, []
+        for landed, fmt, reason in batch.inputs:
+            raw_rows.append({
+                "input_sha256": landed.sha256, "origin": landed.input.origin, "format": fmt,
+                "n_bytes": landed.n_bytes, "received_at": now, "run_id": run_id,
+                "captured_at": self.captured.get(landed.sha256),
+                "status": "rejected" if reason else "loaded", "reason": reason,
+                "landed_path": str(landed.path),
+                **{f"n_{t}": loaded[t].get(landed.sha256, 0) for t in _DATA_TABLES},
+            })
+        if raw_rows:
+            # An input read again keeps its first origin, run and receipt time; what parsing
+            # decided (format, status, reason, counts) is updated, and its capture time is the
+            # newest of its bytes'.
+            conn.register("_raw_rows", pa.Table.from_pylist(raw_rows))
+            conn.execute(
+                """UPDATE raw_inputs AS t SET format = s.format, status = s.status, reason = s.reason,
+                          n_features = s.n_features, n_activations = s.n_activations,
+                          n_explanations = s.n_explanations, captured_at = greatest(t.captured_at, s.captured_at)
+                   FROM _raw_rows AS s WHERE t.input_sha256 = s.input_sha256"""
+            )
+            conn.execute(
+                "INSERT INTO raw_inputs BY NAME SELECT * FROM _raw_rows "
+                "WHERE input_sha256 NOT IN (SELECT input_sha256 FROM raw_inputs)"
+            )
+            conn.unregister("_raw_rows")
 
     def take(self, item: Input, batch: _Batch) -> None:
         """Receive one input: land it, then route it to the road that reads it (or skip it as
