@@ -45,6 +45,7 @@ from .stages.load import (
     STAGED_ACTIVATIONS,
     claim_captures,
     insert_rows,
+    prestats,
     prewrite,
     record_captures,
     replace_staged,
@@ -458,16 +459,20 @@ class _Run:
             prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess)
         if batch.retimes:
             prewritten.snapshot = -1  # the commit moves capture times first: it decides again after
+        elif self.materialise:  # the changed features' statistics too, before the lock
+            with s.timed("stats"):
+                prestats(conn, prewritten)
 
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
             retime(conn, batch.retimes)
             loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess, prewritten=prewritten)
             record_captures(conn, now, run_id)
-            for table in REFERENCE_KEYS:
-                upsert_reference(conn, table, now)
+            for table in REFERENCE_KEYS:  # (decided before the lock, unless a commit came in between)
+                upsert_reference(conn, table, now, decided=prewritten.reference.get(table) if prewritten.stood else None)
             if self.materialise:  # stats of the features this batch changed, in the same snapshot
-                with s.timed("stats"):
-                    materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS)
+                with s.timed("stats"):  # (computed before the lock, if no commit came in between)
+                    materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS,
+                                                computed=prewritten.stats and prewritten.stood)
             gone = [dict(r, run_id=run_id, recorded_at=now) for r in superseded + older]
             insert_rows(conn, "superseded", gone)
             # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.
@@ -486,6 +491,7 @@ class _Run:
         with s.timed("commit"):
             delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
                                                   extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+        materialise.forget_computed(conn)
         # committed: a file the commit did not add is no table's (after a failure, all of them
         # stay for `maintain` to delete: whether a failed commit added them is not known here)
         for path in prewritten.unused():

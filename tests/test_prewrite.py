@@ -28,9 +28,12 @@ from tests.formats import to_api_json
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 
 
-def _page(description: str, when: datetime, folder: Path) -> Path:
+def _page(description: str, when: datetime, folder: Path, scale: float = 1.0) -> Path:
     page = good_page(7, source="race-src")
     page["explanations"][0]["description"] = description
+    for a in page["activations"]:  # another capture's values: other statistics
+        a["values"] = [v * scale for v in a["values"]]
+        a["maxValue"], a["minValue"] = a["maxValue"] * scale, a["minValue"] * scale
     path = write(folder / "page.json", to_api_json(page))
     os.utime(path, (when.timestamp(), when.timestamp()))
     return path
@@ -172,3 +175,107 @@ def test_an_interrupt_at_the_decisions_commit_leaves_no_transaction_open(tmp_pat
             conn.execute("SELECT count(*) FROM features").fetchall()
         conn.execute("BEGIN TRANSACTION")  # none was left open
         conn.execute("ROLLBACK")
+
+
+def _stats(settings: Settings) -> list[tuple]:
+    cols = "model_id, source_id, feature_index, data_source, n_examples, max_activation, top_tokens"
+    return query(settings.warehouse, f"SELECT {cols} FROM feature_activation_stats ORDER BY ALL") + \
+        query(settings.warehouse, "SELECT * EXCLUDE (refreshed_at) FROM feature_token_stats ORDER BY ALL")
+
+
+def _recomputed(settings: Settings) -> list[tuple]:
+    """The statistics computed again from the activations, in a copy of the warehouse."""
+    import shutil
+
+    from pipeline.stages import materialise
+
+    copy = Settings(warehouse=settings.warehouse.parent / "recomputed")
+    shutil.copytree(settings.warehouse, copy.warehouse)
+    conn = wh.connect(copy)
+    try:
+        materialise.refresh(conn, copy)
+    finally:
+        conn.close()
+    return _stats(copy)
+
+
+def _spy_stats(monkeypatch, between=None) -> list:
+    """Record what each batch's commit did with its statistics: (computed before the lock,
+    used as computed). ``between`` runs once, after the first batch computed them."""
+    import importlib
+
+    from pipeline.stages import materialise
+
+    ingest_module = importlib.import_module("pipeline.ingest")
+    prestats, refresh = ingest_module.prestats, materialise.refresh_changed
+    seen, loading = [], []  # every batch's record; those not committed yet (``between`` nests one)
+
+    def spy_prestats(conn, prewritten):
+        done = prestats(conn, prewritten)
+        seen.append(["computed" if done else "not computed"])
+        loading.append(seen[-1])
+        if between is not None and len(seen) == 1:
+            between()
+        return done
+
+    def spy_refresh(conn, **kw):
+        if loading:  # (not a load's: materialise.refresh)
+            loading.pop().append("used" if kw.get("computed") else "computed in the lock")
+        return refresh(conn, **kw)
+
+    monkeypatch.setattr(ingest_module, "prestats", spy_prestats)
+    monkeypatch.setattr(materialise, "refresh_changed", spy_refresh)
+    return seen
+
+
+def test_a_batchs_statistics_are_computed_before_the_commit_lock(tmp_path, monkeypatch):
+    """With no commit in between, the commit only replaces the statistics rows, computed before
+    the lock: the same as computing them all again."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    seen = _spy_stats(monkeypatch)
+    run_ingest([_page("v1", datetime(2026, 1, 1), tmp_path / "in1", scale=2.0)], settings)
+    assert seen == [["computed", "used"]]
+    assert query(settings.warehouse, "SELECT max(max_activation) FROM feature_activation_stats") == [(6.5,)]
+    assert _stats(settings) == _recomputed(settings)
+
+
+def test_statistics_computed_before_a_commit_that_came_in_between_are_not_used(tmp_path, monkeypatch):
+    """v1's statistics are computed; then, before its commit, a newer capture v2 (other values)
+    is committed: v1's commit decides again (v1 is older: nothing of it loads) and its
+    statistics are not the ones computed for it, but v2's, as computed again from scratch."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    v2 = _page("v2", datetime(2026, 2, 1), tmp_path / "in2", scale=3.0)
+    seen = _spy_stats(monkeypatch, between=lambda: run_ingest([v2], settings))
+    run_ingest([_page("v1", datetime(2026, 1, 1), tmp_path / "in1", scale=2.0)], settings)
+    assert seen == [["computed", "computed in the lock"], ["computed", "used"]]  # v1's, then v2's
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v2",)]
+    assert query(settings.warehouse, "SELECT max(max_activation) FROM feature_activation_stats") == [(9.75,)]
+    assert _stats(settings) == _recomputed(settings)
+
+
+def test_reference_rows_are_decided_before_the_lock_and_a_changed_one_replaces_the_old(tmp_path, monkeypatch):
+    """Models, sources and source sets: what a batch changes is found before the commit lock;
+    the commit replaces a changed row (one row per key) and leaves an unchanged one alone."""
+    import importlib
+
+    from pipeline.stages import load
+
+    ingest_module = importlib.import_module("pipeline.ingest")
+    calls, upsert = [], load.upsert_reference
+
+    def spy(conn, table, now, *, decided=None):
+        calls.append((table, decided))
+        return upsert(conn, table, now, decided=decided)
+
+    monkeypatch.setattr(ingest_module, "upsert_reference", spy)
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    page = good_page(8, source="race-src")
+    page["model"]["displayName"] = "renamed"
+    run_ingest([write(tmp_path / "in1" / "page.json", to_api_json(page))], settings)
+    assert calls == [("models", 1), ("source_sets", 1), ("sources", 1),  # the first load: all new
+                       ("models", 1), ("source_sets", 0), ("sources", 0)]
+    assert query(settings.warehouse, "SELECT model_id, display_name FROM models") == [("gpt-oss-20b", "renamed")]
+    assert query(settings.warehouse, "SELECT count(*) FROM sources") == [(1,)]

@@ -39,12 +39,13 @@ import duckdb
 import pyarrow as pa
 
 from ..lake.warehouse import CATALOG, data_path, one_snapshot, utcnow
-from .materialise import excerpt_from
+from .materialise import compute_changed, excerpt_from
 from .records import ARROW_SCHEMAS
 
 __all__ = [
     "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
     "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "AGAIN_READ", "Prewritten", "prewrite",
+    "prestats", "mark_changed_features", "changed_reference",
 ]
 
 #: The tables a capture replaces per feature.
@@ -60,12 +61,13 @@ REFERENCE_KEYS: dict[str, tuple[str, ...]] = {
 
 _FEATURE_KEY = ("model_id", "source_id", "feature_index")
 
-#: After ``replace_staged``: the batch's activations that now make up their features, and
-#: those features' keys (what ``materialise.refresh_changed(staged=...)`` takes).
+#: Once a batch has decided what it loads: its activations that make up their features, those
+#: features' keys, and the ids it takes (what ``materialise.refresh_changed(staged=...)`` takes).
 STAGED_ACTIVATIONS = (
     # the excerpts the validation pass computed beside its checks (validate.ACTIVATION_CHECKS)
     f"SELECT {excerpt_from('x_')} FROM stage_activation_checks JOIN incoming_activations USING (_row)",
     "SELECT DISTINCT model_id, source_id, feature_index FROM incoming_activations",
+    "SELECT activation_id FROM incoming_activations",
 )
 _ROW_IDS = {"activations": "activation_id", "explanations": "explanation_id"}
 
@@ -301,6 +303,13 @@ class Prewritten:
     """table → the Parquet file of its incoming rows (a table with none has no file)."""
     used: set[str] = field(default_factory=set)
     """Tables whose file the last commit attempt added."""
+    reference: dict[str, int] = field(default_factory=dict)
+    """Reference table → how many of its staged rows change it (:func:`changed_reference`)."""
+    stats: bool = False
+    """Whether the statistics of the features it changes were computed against ``snapshot``
+    (:func:`prestats`)."""
+    stood: bool = False
+    """Whether the last commit attempt found ``snapshot`` still the latest: its plan stood."""
 
     def unused(self) -> list[str]:
         return [path for table, path in self.files.items() if table not in self.used]
@@ -355,6 +364,7 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
     with one_snapshot(conn):  # what it decides, it decides against one snapshot: the one it records
         plan = Prewritten(snapshot=_snapshot(conn))
         plan.has_rows = _plan(conn, reprocess)
+        plan.reference = {table: changed_reference(conn, table) for table in REFERENCE_KEYS}
         writing = []
         for table in DATA_TABLES:
             conn.execute(f"CREATE OR REPLACE TEMP TABLE planned_{table} AS SELECT _row, captured_at_ FROM incoming_{table}")
@@ -377,6 +387,34 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
 _ROW_GROUP_SIZE = 2048
 
 
+def mark_changed_features(conn: duckdb.DuckDBPyConnection, has_rows: bool) -> None:
+    """The features whose activation statistics the batch changes, in the temp table
+    ``changed_features``: those it loads activations of, and (``has_rows``: the table holds
+    some) those that hold an activation id it brings, which they lose to it."""
+    conn.execute("CREATE OR REPLACE TEMP TABLE changed_features AS SELECT DISTINCT model_id, source_id, "
+                 "feature_index FROM applied WHERE table_name = 'activations'")
+    if has_rows:
+        conn.execute(f"""
+            INSERT INTO changed_features
+            SELECT DISTINCT t.model_id, t.source_id, t.feature_index FROM activations t
+            WHERE t.activation_id IN (SELECT activation_id FROM incoming_activations)
+              AND NOT EXISTS (SELECT 1 FROM applied a WHERE a.table_name = 'activations' AND {_on('a', 't')})""")
+
+
+def prestats(conn: duckdb.DuckDBPyConnection, prewritten: Prewritten) -> bool:
+    """Before the commit lock: the statistics of the features the batch changes, computed
+    against the snapshot ``prewritten`` was decided against (``materialise.compute_changed``),
+    so that the commit only replaces their rows when that snapshot is still the latest
+    (``prewritten.stood``). False, computing nothing, when a commit came in between."""
+    with one_snapshot(conn):
+        if _snapshot(conn) != prewritten.snapshot:
+            return False
+        mark_changed_features(conn, prewritten.has_rows["activations"])
+        compute_changed(conn, staged=STAGED_ACTIVATIONS)
+    prewritten.stats = True
+    return True
+
+
 def _as_planned(conn: duckdb.DuckDBPyConnection, table: str) -> bool:
     """Whether ``incoming_<table>`` (decided now) holds exactly the rows planned before."""
     return conn.execute(f"""
@@ -397,15 +435,14 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
     ``changed_features``, and the rows that loaded in ``incoming_<table>`` (see
     :data:`STAGED_ACTIVATIONS`).
     """
-    if prewritten is not None and prewritten.snapshot == _snapshot(conn):
+    stood = prewritten is not None and prewritten.snapshot == _snapshot(conn)
+    if stood:
         has = prewritten.has_rows  # nothing was committed since: the plan made then stands
     else:
         has = _plan(conn, reprocess)
     if prewritten is not None:
-        prewritten.used = set()
-    # a feature's activation statistics change when its activations do
-    conn.execute("CREATE OR REPLACE TEMP TABLE changed_features AS SELECT DISTINCT model_id, source_id, "
-                 "feature_index FROM applied WHERE table_name = 'activations'")
+        prewritten.used, prewritten.stood = set(), stood
+    mark_changed_features(conn, has["activations"])
     loaded: dict[str, dict[str, int]] = {}
     for table in DATA_TABLES:
         incoming = f"incoming_{table}"
@@ -414,13 +451,6 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
         if has_rows:
             claims = f"(SELECT * FROM applied WHERE table_name = '{table}')"
             if row_id:
-                # ids the batch brings that another feature holds now: that feature loses them
-                if table == "activations":
-                    conn.execute(f"""
-                        INSERT INTO changed_features
-                        SELECT DISTINCT t.model_id, t.source_id, t.feature_index FROM {table} t
-                        WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
-                          AND NOT EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
                 conn.execute(f"""
                     DELETE FROM {table} AS t WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
                     OR EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
@@ -457,21 +487,29 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
     return loaded, older
 
 
-def upsert_reference(conn: duckdb.DuckDBPyConnection, table: str, now: datetime) -> int:
-    """Replace the staged rows of a reference table whose content differs from the stored
-    row with the same key; identical rows are left alone. Returns rows written."""
+def changed_reference(conn: duckdb.DuckDBPyConnection, table: str) -> int:
+    """The staged rows of a reference table whose content differs from the stored row with the
+    same key, in the temp table ``new_<table>``; returns how many."""
     cols = [f.name for f in ARROW_SCHEMAS[table]]
-    sel = ", ".join(f'"{c}"' for c in cols)
     same = " AND ".join(f't."{c}" IS NOT DISTINCT FROM s."{c}"' for c in cols)
     conn.execute(f"""CREATE OR REPLACE TEMP TABLE new_{table} AS
                      SELECT * FROM stage_{table} AS s WHERE NOT EXISTS (SELECT 1 FROM {table} AS t WHERE {same})""")
-    (n,) = conn.execute(f"SELECT count(*) FROM new_{table}").fetchone()
+    return conn.execute(f"SELECT count(*) FROM new_{table}").fetchone()[0]
+
+
+def upsert_reference(conn: duckdb.DuckDBPyConnection, table: str, now: datetime, *, decided: int | None = None) -> int:
+    """Replace the staged rows of a reference table whose content differs from the stored
+    row with the same key; identical rows are left alone. Returns rows written. ``decided``:
+    what :func:`changed_reference` found against the snapshot this transaction still reads
+    (before the commit lock, by :func:`prewrite`): not looked for again."""
+    sel = ", ".join(f'"{f.name}"' for f in ARROW_SCHEMAS[table])
+    n = changed_reference(conn, table) if decided is None else decided
     if n:
         on = " AND ".join(f"t.{k} = c.{k}" for k in REFERENCE_KEYS[table])
         conn.execute(f"DELETE FROM {table} AS t USING new_{table} AS c WHERE {on}")
         conn.execute(f"INSERT INTO {table} BY NAME SELECT {sel}, input_sha256, $now AS loaded_at FROM new_{table}",
                      {"now": now})
-    conn.execute(f"DROP TABLE new_{table}")
+    conn.execute(f"DROP TABLE IF EXISTS new_{table}")
     return n
 
 

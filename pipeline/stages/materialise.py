@@ -10,8 +10,8 @@ import duckdb
 from ..config import SCHEMAS_DIR, Settings
 from ..lake.warehouse import CATALOG, transaction
 
-__all__ = ["EXCERPT", "MaterialiseResult", "excerpt_columns", "excerpt_from", "refresh", "refresh_changed",
-           "refresh_run"]
+__all__ = ["EXCERPT", "MaterialiseResult", "apply_changed", "compute_changed", "excerpt_columns", "forget_computed", "excerpt_from",
+           "refresh", "refresh_changed", "refresh_run"]
 
 
 @dataclass(frozen=True)
@@ -113,18 +113,33 @@ _EXCERPT_COLUMNS = excerpt_columns()
 
 
 def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
-                    staged: tuple[str, str] | None = None) -> MaterialiseResult:
+                    staged: tuple[str, str, str] | None = None, computed: bool = False) -> MaterialiseResult:
     """Recompute stats for the features in the temp table ``changed_features(model_id,
     source_id, feature_index)`` and, with ``sources``, for their sources. The caller holds the
     transaction (ingest calls this inside each batch's load, so stats always match what is
     committed).
 
-    ``staged``, inside a load, is a pair of queries: the excerpts (:data:`EXCERPT` columns) of
-    the batch's activations that now make up their features, and those features' keys.
-    Their stats are computed from the staged rows in memory instead of reading back what the
-    load just wrote; the other changed features are read from the table.
+    ``staged``, inside a load, is three queries: the excerpts (:data:`EXCERPT` columns) of the
+    batch's activations that now make up their features, those features' keys, and the ids of
+    the activations the batch takes (from whichever feature holds them). Their stats are
+    computed from the staged rows in memory instead of reading back what the load just wrote;
+    the other changed features are read from the table.
+
+    ``computed``: the features' statistics are already in hand (:func:`compute_changed`, run
+    before the commit lock against the snapshot this transaction still reads): only replace
+    their rows.
     """
-    # The features are refreshed in chunks of STATS_CHUNK_FEATURES: ranking every active token
+    if not computed:
+        compute_changed(conn, staged=staged)
+    return apply_changed(conn, sources)
+
+
+def compute_changed(conn: duckdb.DuckDBPyConnection, *, staged: tuple[str, str, str] | None = None) -> None:
+    """The statistics rows of the features in ``changed_features``, into the temp tables
+    ``new_feature_activation_stats`` and ``new_feature_token_stats`` (see
+    :func:`refresh_changed` for ``staged``). Reads only: a load computes them before it takes
+    the commit lock, and its commit then just replaces the rows (:func:`apply_changed`)."""
+    # The features are computed in chunks of STATS_CHUNK_FEATURES: ranking every active token
     # of a whole export batch (thousands of features) at once ran out of DuckDB's memory.
     conn.execute(f"""CREATE OR REPLACE TEMP TABLE stats_chunks AS
                      SELECT *, (row_number() OVER (ORDER BY {_KEY}) - 1) // $size AS chunk
@@ -138,36 +153,54 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     else:
         # A batch (bounded by the batch limits) comes reduced to its excerpts; each chunk then
         # reads that small table, not the batch's token and value lists once per chunk (which
-        # took 45 of 124 s of a 1 GiB export batch).
-        rows, keys = staged
+        # took 45 of 124 s of a 1 GiB export batch). A feature the batch takes activations from
+        # is read from the table without them (before the commit they are still there).
+        rows, keys, taken = staged
         conn.execute(f"""CREATE OR REPLACE TEMP TABLE stats_excerpts AS
                          SELECT * FROM ({rows}) AS r
                          SEMI JOIN stats_chunks USING ({_KEY})
                          UNION ALL
                          SELECT {_EXCERPT_COLUMNS} FROM activations
-                         SEMI JOIN (SELECT {_KEY} FROM stats_chunks EXCEPT {keys}) USING ({_KEY})""")
+                         SEMI JOIN (SELECT {_KEY} FROM stats_chunks EXCEPT {keys}) USING ({_KEY})
+                         WHERE activation_id NOT IN ({taken})""")
         conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
                          SELECT * FROM stats_excerpts SEMI JOIN stats_chunk USING ({_KEY})""")
+    # made from the queries with no chunk selected: no rows, the columns and types they give
+    for table in ("feature_activation_stats", "feature_token_stats"):
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE new_{table} AS ({_sql(table)})")
+    (n_chunks,) = conn.execute("SELECT coalesce(max(chunk) + 1, 0) FROM stats_chunks").fetchone()
+    for chunk in range(n_chunks):
+        conn.execute("DELETE FROM stats_chunk")
+        conn.execute("INSERT INTO stats_chunk SELECT * EXCLUDE (chunk) FROM stats_chunks WHERE chunk = ?", [chunk])
+        for table in ("feature_activation_stats", "feature_token_stats"):
+            conn.execute(f"INSERT INTO new_{table} ({_sql(table)})")
+    conn.execute("DROP TABLE IF EXISTS temp.main.stats_excerpts")
+
+
+def forget_computed(conn: duckdb.DuckDBPyConnection) -> None:
+    """Drop what :func:`compute_changed` made (a large export batch's token rows are many)."""
+    for table in ("new_feature_activation_stats", "new_feature_token_stats"):
+        conn.execute(f"DROP TABLE IF EXISTS temp.main.{table}")
+
+
+def apply_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True) -> MaterialiseResult:
+    """Replace the statistics rows of the features in ``changed_features`` by those
+    :func:`compute_changed` made, and with ``sources`` refresh their sources' rows."""
     conn.execute(
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
         "SELECT DISTINCT model_id, source_id FROM changed_features"
     )
+    # The changed features' (and sources') rows are all deleted, so the rows inserted are the
+    # rows they now have: counted as inserted, not read back from the lake (a scan of the table
+    # each, ~10 ms a statement in a load's transaction).
     for table in ("feature_activation_stats", "feature_token_stats"):
         conn.execute(
             f"DELETE FROM {table} f USING changed_features c "
             "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
             "AND f.feature_index = c.feature_index"
         )
-    # The changed features' (and sources') rows were all deleted above, so the rows inserted
-    # are the rows they now have: counted as inserted, not read back from the lake (a scan of
-    # the table each, ~10 ms a statement in a load's transaction).
-    (n_chunks,) = conn.execute("SELECT coalesce(max(chunk) + 1, 0) FROM stats_chunks").fetchone()
-    r_f = 0
-    for chunk in range(n_chunks):
-        conn.execute("DELETE FROM stats_chunk")
-        conn.execute("INSERT INTO stats_chunk SELECT * EXCLUDE (chunk) FROM stats_chunks WHERE chunk = ?", [chunk])
-        r_f += conn.execute(f"INSERT INTO feature_activation_stats BY NAME ({_sql('feature_activation_stats')})").fetchone()[0]
-        conn.execute(f"INSERT INTO feature_token_stats BY NAME ({_sql('feature_token_stats')})")
+    (r_f,) = conn.execute("INSERT INTO feature_activation_stats BY NAME SELECT * FROM new_feature_activation_stats").fetchone()
+    conn.execute("INSERT INTO feature_token_stats BY NAME SELECT * FROM new_feature_token_stats")
     if sources:
         conn.execute(
             "DELETE FROM source_activation_stats s USING changed_sources c "
@@ -182,7 +215,6 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
         "SELECT count(*) FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)"
     ).fetchone()
     (n_s,) = conn.execute("SELECT count(*) FROM changed_sources").fetchone()
-    conn.execute("DROP TABLE IF EXISTS temp.main.stats_excerpts")
     return MaterialiseResult(n_f, n_s, r_f, r_s)
 
 
