@@ -44,6 +44,7 @@ from .stages.load import (
     REFERENCE_KEYS,
     STAGED_ACTIVATIONS,
     claim_captures,
+    forget_decided,
     insert_rows,
     prestats,
     prewrite,
@@ -492,6 +493,7 @@ class _Run:
             delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
                                                   extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
         materialise.forget_computed(conn)
+        forget_decided(conn)
         # committed: a file the commit did not add is no table's (after a failure, all of them
         # stay for `maintain` to delete: whether a failed commit added them is not known here)
         for path in prewritten.unused():

@@ -279,3 +279,58 @@ def test_reference_rows_are_decided_before_the_lock_and_a_changed_one_replaces_t
                        ("models", 1), ("source_sets", 0), ("sources", 0)]
     assert query(settings.warehouse, "SELECT model_id, display_name FROM models") == [("gpt-oss-20b", "renamed")]
     assert query(settings.warehouse, "SELECT count(*) FROM sources") == [(1,)]
+
+
+def test_a_batch_with_a_new_empty_capture_loses_its_statistics(tmp_path):
+    """A newer capture of feature 7 with no activations: its statistics rows go, as a full
+    recompute gives (the rows computed before the lock must not read the old activations)."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    page = good_page(7, source="race-src")
+    page["activations"] = []
+    path = write(tmp_path / "in1" / "page.json", to_api_json(page))
+    os.utime(path, (datetime(2026, 1, 1).timestamp(),) * 2)
+    run_ingest([path], settings)
+    assert query(settings.warehouse, "SELECT count(*) FROM activations") == [(0,)]
+    for table in ("feature_activation_stats", "feature_token_stats", "source_activation_stats"):
+        assert query(settings.warehouse, f"SELECT count(*) FROM {table}") == [(0,)], table
+    assert _stats(settings) == _recomputed(settings)
+
+
+def test_a_commit_retried_on_a_busy_catalog_without_a_new_snapshot_loads_what_was_decided(tmp_path, monkeypatch):
+    """The catalog (SQLite) is held by another connection just as the batch commits, so its
+    COMMIT fails and is retried against the same snapshot: the retry uses what was decided
+    before the lock (a renamed model, new statistics) and loads it."""
+    import importlib
+    ingest_module = importlib.import_module("pipeline.ingest")
+    settings = Settings(warehouse=tmp_path / "wh", commit_attempts=30)
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    page = good_page(7, source="race-src")
+    page["model"]["displayName"] = "renamed"
+    for a in page["activations"]:
+        a["values"] = [v * 2 for v in a["values"]]
+        a["maxValue"], a["minValue"] = a["maxValue"] * 2, a["minValue"] * 2
+    path = write(tmp_path / "in1" / "page.json", to_api_json(page))
+    os.utime(path, (datetime(2026, 1, 1).timestamp(),) * 2)
+
+    write_counts, held = ingest_module.write_counts, []
+    # another process (SQLite's locks are a process's: one in this process would not block it)
+    hold = ("import sqlite3, sys, time\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=0)\n"
+            "db.execute('BEGIN IMMEDIATE'); print('held', flush=True); time.sleep(3); db.execute('ROLLBACK')\n")
+
+    def busy_after(conn, s, counts):  # the load's last statement before its COMMIT
+        write_counts(conn, s, counts)
+        if not held:
+            held.append(subprocess.Popen([sys.executable, "-c", hold, str(settings.warehouse / "catalog.sqlite")],
+                                         stdout=subprocess.PIPE, text=True))
+            assert held[0].stdout.readline() == "held\n"
+
+    monkeypatch.setattr(ingest_module, "write_counts", busy_after)
+    summary = run_ingest([path], settings)
+    held[0].communicate(timeout=60)
+    assert summary.status == "succeeded", summary
+    assert summary.stats.retries >= 1, "the COMMIT did not meet a busy catalog"
+    assert query(settings.warehouse, "SELECT display_name FROM models") == [("renamed",)]
+    assert query(settings.warehouse, "SELECT max(max_activation) FROM feature_activation_stats") == [(6.5,)]
+    assert _stats(settings) == _recomputed(settings)

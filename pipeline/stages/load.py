@@ -45,7 +45,7 @@ from .records import ARROW_SCHEMAS
 __all__ = [
     "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
     "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "AGAIN_READ", "Prewritten", "prewrite",
-    "prestats", "mark_changed_features", "changed_reference",
+    "prestats", "mark_changed_features", "changed_reference", "forget_decided",
 ]
 
 #: The tables a capture replaces per feature.
@@ -66,7 +66,8 @@ _FEATURE_KEY = ("model_id", "source_id", "feature_index")
 STAGED_ACTIVATIONS = (
     # the excerpts the validation pass computed beside its checks (validate.ACTIVATION_CHECKS)
     f"SELECT {excerpt_from('x_')} FROM stage_activation_checks JOIN incoming_activations USING (_row)",
-    "SELECT DISTINCT model_id, source_id, feature_index FROM incoming_activations",
+    # every feature whose capture of activations applies (one may bring none): made of the above
+    "SELECT DISTINCT model_id, source_id, feature_index FROM applied WHERE table_name = 'activations'",
     "SELECT activation_id FROM incoming_activations",
 )
 _ROW_IDS = {"activations": "activation_id", "explanations": "explanation_id"}
@@ -509,8 +510,15 @@ def upsert_reference(conn: duckdb.DuckDBPyConnection, table: str, now: datetime,
         conn.execute(f"DELETE FROM {table} AS t USING new_{table} AS c WHERE {on}")
         conn.execute(f"INSERT INTO {table} BY NAME SELECT {sel}, input_sha256, $now AS loaded_at FROM new_{table}",
                      {"now": now})
-    conn.execute(f"DROP TABLE IF EXISTS new_{table}")
-    return n
+    return n  # new_<table> stays until forget_decided: a retried commit may need it again
+
+
+def forget_decided(conn: duckdb.DuckDBPyConnection) -> None:
+    """After the commit: drop the reference rows :func:`changed_reference` found. (Not inside the
+    commit: a COMMIT that fails does not bring back a temp table dropped in its transaction, and
+    a retry against the same snapshot uses them.)"""
+    for table in REFERENCE_KEYS:
+        conn.execute(f"DROP TABLE IF EXISTS temp.main.new_{table}")
 
 
 def insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: list[dict]) -> int:
