@@ -66,7 +66,8 @@ _FEATURE_KEY = ("model_id", "source_id", "feature_index")
 STAGED_ACTIVATIONS = (
     # the excerpts the validation pass computed beside its checks (validate.ACTIVATION_CHECKS)
     f"SELECT {excerpt_from('x_')} FROM stage_activation_checks JOIN incoming_activations USING (_row)",
-    # every feature whose capture of activations applies (one may bring none): made of the above
+    # every feature whose capture of activations applies: its rows are all in the query above
+    # (none, for a capture that brings none), never in the table
     "SELECT DISTINCT model_id, source_id, feature_index FROM applied WHERE table_name = 'activations'",
     "SELECT activation_id FROM incoming_activations",
 )

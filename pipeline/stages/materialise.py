@@ -10,7 +10,7 @@ import duckdb
 from ..config import SCHEMAS_DIR, Settings
 from ..lake.warehouse import CATALOG, transaction
 
-__all__ = ["EXCERPT", "MaterialiseResult", "apply_changed", "compute_changed", "excerpt_columns", "forget_computed", "excerpt_from",
+__all__ = ["EXCERPT", "MaterialiseResult", "compute_changed", "excerpt_columns", "excerpt_from", "forget_computed",
            "refresh", "refresh_changed", "refresh_run"]
 
 
@@ -129,16 +129,50 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     before the commit lock against the snapshot this transaction still reads): only replace
     their rows.
     """
-    if not computed:
-        compute_changed(conn, staged=staged)
-    return apply_changed(conn, sources)
+    conn.execute(
+        "CREATE OR REPLACE TEMP TABLE changed_sources AS "
+        "SELECT DISTINCT model_id, source_id FROM changed_features"
+    )
+    # The changed features' (and sources') rows are all deleted, so the rows inserted are the
+    # rows they now have: counted as inserted, not read back from the lake (a scan of the table
+    # each, ~10 ms a statement in a load's transaction).
+    for table in ("feature_activation_stats", "feature_token_stats"):
+        conn.execute(
+            f"DELETE FROM {table} f USING changed_features c "
+            "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
+            "AND f.feature_index = c.feature_index"
+        )
+    if computed:
+        (r_f,) = conn.execute("INSERT INTO feature_activation_stats BY NAME "
+                              "SELECT * FROM new_feature_activation_stats").fetchone()
+        conn.execute("INSERT INTO feature_token_stats BY NAME SELECT * FROM new_feature_token_stats")
+    else:  # chunk by chunk into the tables (a whole warehouse's never all in memory)
+        r_f = compute_changed(conn, staged=staged, into="")
+    if sources:
+        conn.execute(
+            "DELETE FROM source_activation_stats s USING changed_sources c "
+            "WHERE s.model_id = c.model_id AND s.source_id = c.source_id"
+        )
+        (r_s,) = conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})").fetchone()
+    else:
+        (r_s,) = conn.execute(
+            "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
+        ).fetchone()
+    (n_f,) = conn.execute(
+        "SELECT count(*) FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)"
+    ).fetchone()
+    (n_s,) = conn.execute("SELECT count(*) FROM changed_sources").fetchone()
+    return MaterialiseResult(n_f, n_s, r_f, r_s)
 
 
-def compute_changed(conn: duckdb.DuckDBPyConnection, *, staged: tuple[str, str, str] | None = None) -> None:
-    """The statistics rows of the features in ``changed_features``, into the temp tables
-    ``new_feature_activation_stats`` and ``new_feature_token_stats`` (see
-    :func:`refresh_changed` for ``staged``). Reads only: a load computes them before it takes
-    the commit lock, and its commit then just replaces the rows (:func:`apply_changed`)."""
+def compute_changed(conn: duckdb.DuckDBPyConnection, *, staged: tuple[str, str, str] | None = None,
+                    into: str = "new_") -> int:
+    """The statistics rows of the features in ``changed_features``, inserted into the tables
+    named ``into`` + ``feature_activation_stats`` / ``feature_token_stats``: by default the
+    temp tables ``new_...`` it makes (a load computes them before it takes the commit lock,
+    reading only, and its commit then just replaces the rows: ``refresh_changed(computed=True)``);
+    with ``into=""`` the warehouse's own, where the caller deleted the features' rows. See
+    :func:`refresh_changed` for ``staged``. Returns the feature rows inserted."""
     # The features are computed in chunks of STATS_CHUNK_FEATURES: ranking every active token
     # of a whole export batch (thousands of features) at once ran out of DuckDB's memory.
     conn.execute(f"""CREATE OR REPLACE TEMP TABLE stats_chunks AS
@@ -165,57 +199,25 @@ def compute_changed(conn: duckdb.DuckDBPyConnection, *, staged: tuple[str, str, 
                          WHERE activation_id NOT IN ({taken})""")
         conn.execute(f"""CREATE OR REPLACE TEMP VIEW stats_activations AS
                          SELECT * FROM stats_excerpts SEMI JOIN stats_chunk USING ({_KEY})""")
-    # made from the queries with no chunk selected: no rows, the columns and types they give
-    for table in ("feature_activation_stats", "feature_token_stats"):
-        conn.execute(f"CREATE OR REPLACE TEMP TABLE new_{table} AS ({_sql(table)})")
+    if into:  # made from the queries with no chunk selected: no rows, the columns and types they give
+        for table in ("feature_activation_stats", "feature_token_stats"):
+            conn.execute(f"CREATE OR REPLACE TEMP TABLE {into}{table} AS ({_sql(table)})")
     (n_chunks,) = conn.execute("SELECT coalesce(max(chunk) + 1, 0) FROM stats_chunks").fetchone()
+    r_f = 0
     for chunk in range(n_chunks):
         conn.execute("DELETE FROM stats_chunk")
         conn.execute("INSERT INTO stats_chunk SELECT * EXCLUDE (chunk) FROM stats_chunks WHERE chunk = ?", [chunk])
-        for table in ("feature_activation_stats", "feature_token_stats"):
-            conn.execute(f"INSERT INTO new_{table} ({_sql(table)})")
+        r_f += conn.execute(f"INSERT INTO {into}feature_activation_stats BY NAME "
+                            f"({_sql('feature_activation_stats')})").fetchone()[0]
+        conn.execute(f"INSERT INTO {into}feature_token_stats BY NAME ({_sql('feature_token_stats')})")
     conn.execute("DROP TABLE IF EXISTS temp.main.stats_excerpts")
+    return r_f
 
 
 def forget_computed(conn: duckdb.DuckDBPyConnection) -> None:
     """Drop what :func:`compute_changed` made (a large export batch's token rows are many)."""
     for table in ("new_feature_activation_stats", "new_feature_token_stats"):
         conn.execute(f"DROP TABLE IF EXISTS temp.main.{table}")
-
-
-def apply_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True) -> MaterialiseResult:
-    """Replace the statistics rows of the features in ``changed_features`` by those
-    :func:`compute_changed` made, and with ``sources`` refresh their sources' rows."""
-    conn.execute(
-        "CREATE OR REPLACE TEMP TABLE changed_sources AS "
-        "SELECT DISTINCT model_id, source_id FROM changed_features"
-    )
-    # The changed features' (and sources') rows are all deleted, so the rows inserted are the
-    # rows they now have: counted as inserted, not read back from the lake (a scan of the table
-    # each, ~10 ms a statement in a load's transaction).
-    for table in ("feature_activation_stats", "feature_token_stats"):
-        conn.execute(
-            f"DELETE FROM {table} f USING changed_features c "
-            "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
-            "AND f.feature_index = c.feature_index"
-        )
-    (r_f,) = conn.execute("INSERT INTO feature_activation_stats BY NAME SELECT * FROM new_feature_activation_stats").fetchone()
-    conn.execute("INSERT INTO feature_token_stats BY NAME SELECT * FROM new_feature_token_stats")
-    if sources:
-        conn.execute(
-            "DELETE FROM source_activation_stats s USING changed_sources c "
-            "WHERE s.model_id = c.model_id AND s.source_id = c.source_id"
-        )
-        (r_s,) = conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})").fetchone()
-    else:
-        (r_s,) = conn.execute(
-            "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
-        ).fetchone()
-    (n_f,) = conn.execute(
-        "SELECT count(*) FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)"
-    ).fetchone()
-    (n_s,) = conn.execute("SELECT count(*) FROM changed_sources").fetchone()
-    return MaterialiseResult(n_f, n_s, r_f, r_s)
 
 
 def refresh_run(where: Settings | str, run_id: str | None = None) -> MaterialiseResult:
