@@ -514,13 +514,25 @@ def _open(settings: Settings, *, read_only: bool, create: bool, threads: int | N
                         # WAL: readers never wait for a writer, which holds the catalog while it loads
                         db.execute("PRAGMA journal_mode=WAL")
                 override = _data_path_override(settings, recorded if exists else None)
-                try:
-                    _attach(conn, settings, [f"DATA_PATH '{_q(override or settings.data_url)}'"]
-                            + (["OVERRIDE_DATA_PATH true"] if override and exists is not False else []))
-                except duckdb.Error as exc:
-                    if "does not match existing data path" not in str(exc):
-                        raise
-                    _attach(conn, settings, [])  # it existed after all: its data path stands
+                # Another thread or process may be looking at the catalog file this moment (a
+                # reader's probe, outside the lock) and SQLite then refuses the first write that
+                # makes the lake ("database is locked"; seen once in some 60 rounds of eight starts at once): the look
+                # ends in milliseconds, so try again, for up to 10 s.
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        _attach(conn, settings, [f"DATA_PATH '{_q(override or settings.data_url)}'"]
+                                + (["OVERRIDE_DATA_PATH true"] if override and exists is not False else []))
+                        break
+                    except duckdb.Error as exc:
+                        if "does not match existing data path" in str(exc):
+                            _attach(conn, settings, [])  # it existed after all: its data path stands
+                            break
+                        if "database is locked" not in str(exc) or time.monotonic() > deadline:
+                            raise
+                        with contextlib.suppress(duckdb.Error):
+                            conn.execute(f"DETACH DATABASE IF EXISTS {CATALOG}")
+                        time.sleep(0.02 + random.random() * 0.05)
         conn.execute(f"USE {CATALOG}")
         return conn
     except BaseException:
