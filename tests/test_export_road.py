@@ -102,17 +102,23 @@ def _big_export(path: Path, n_rows: int) -> int:
     return written
 
 
-#: For a child process: the Python parser refuses gzip input (it would hold the batch whole),
-#: so a big-batch test passes only on DuckDB's streaming road, whatever its size.
-NO_PYTHON_ROAD = (
-    "import importlib\n"
-    "_ingest = importlib.import_module('pipeline.ingest')\n"
-    "_parse = _ingest.parse_bytes\n"
-    "def _guarded(data, *a, **kw):\n"
-    "    assert not data.startswith(b'\\x1f\\x8b'), 'a gzip input took the Python road'\n"
-    "    return _parse(data, *a, **kw)\n"
-    "_ingest.parse_bytes = _guarded\n"
-)
+def refuse_python_road_for_gzip(setattr=setattr) -> None:
+    """Make the Python parser (which holds an input whole) refuse gzip input, so that a test
+    passes only on DuckDB's streaming road. ``setattr``: ``monkeypatch.setattr`` in this
+    process; the plain one in a child process (``NO_PYTHON_ROAD``)."""
+    ingest_module = importlib.import_module("pipeline.ingest")  # `pipeline.ingest` is also the function
+    parse = ingest_module.parse_bytes
+
+    def guarded(data, *a, **kw):
+        assert not data.startswith(b"\x1f\x8b"), "a gzip input took the Python road"
+        return parse(data, *a, **kw)
+
+    setattr(ingest_module, "parse_bytes", guarded)
+
+
+#: The same in a child process (started in the project's folder), whatever the batch's size.
+PROJECT = Path(__file__).resolve().parent.parent
+NO_PYTHON_ROAD = "from tests.test_export_road import refuse_python_road_for_gzip; refuse_python_road_for_gzip()\n"
 
 
 @pytest.mark.slow
@@ -136,7 +142,7 @@ def test_an_export_batch_larger_than_memory_headroom_streams(tmp_path):
         "print(s.n_activations, s.n_rejected, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
     )
     env = dict(os.environ, FEATUREHOUSE_MAX_DECOMPRESSED_BYTES=str(4 * 2**30))
-    out = subprocess.run([sys.executable, "-c", script, str(src.parent), str(wh)], env=env,
+    out = subprocess.run([sys.executable, "-c", script, str(src.parent), str(wh)], env=env, cwd=PROJECT,
                          capture_output=True, text=True, check=True).stdout.split()
     n_activations, n_rejected, peak_mib = map(int, out[-3:])
     assert (n_activations, n_rejected) == (22_500, 0)
@@ -152,14 +158,7 @@ def _activation_lines(objects: dict[str, bytes], batch: int = 0) -> tuple[str, l
 @pytest.fixture
 def no_python_road_for_gzip(monkeypatch):
     """Fail the test if a gzip input is handed to the Python parser (which holds it whole)."""
-    ingest_module = importlib.import_module("pipeline.ingest")  # `pipeline.ingest` is also the function
-    parse = ingest_module.parse_bytes
-
-    def guarded(data, *a, **kw):
-        assert not data.startswith(b"\x1f\x8b"), "a gzip input took the Python road"
-        return parse(data, *a, **kw)
-
-    monkeypatch.setattr(ingest_module, "parse_bytes", guarded)
+    refuse_python_road_for_gzip(monkeypatch.setattr)
 
 
 @pytest.mark.parametrize("cut", ["in a string", "after a comma"])
@@ -323,7 +322,7 @@ def test_a_cut_line_in_a_batch_larger_than_duckdbs_cap_is_quarantined_within_2_g
     )
     env = dict(os.environ, FEATUREHOUSE_MAX_DECOMPRESSED_BYTES=str(4 * 2**30), FEATUREHOUSE_DUCKDB_MEMORY=f"{cap // 10**6}MB")
     with (tmp_path / "out.txt").open("w+") as out, (tmp_path / "err.txt").open("w+") as err:
-        child = subprocess.Popen([sys.executable, "-c", script, str(src.parent), str(wh)], env=env,
+        child = subprocess.Popen([sys.executable, "-c", script, str(src.parent), str(wh)], env=env, cwd=PROJECT,
                                  stdout=out, stderr=err)
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)

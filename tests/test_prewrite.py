@@ -28,12 +28,16 @@ from tests.formats import to_api_json
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 
 
-def _page(description: str, when: datetime, folder: Path, scale: float = 1.0) -> Path:
+def _page(description: str, when: datetime, folder: Path, scale: float = 1.0, edit=None) -> Path:
+    """A capture of feature 7 taken at ``when``: its values times ``scale`` (other statistics),
+    then changed by ``edit(page)`` if given."""
     page = good_page(7, source="race-src")
     page["explanations"][0]["description"] = description
-    for a in page["activations"]:  # another capture's values: other statistics
+    for a in page["activations"]:
         a["values"] = [v * scale for v in a["values"]]
         a["maxValue"], a["minValue"] = a["maxValue"] * scale, a["minValue"] * scale
+    if edit is not None:
+        edit(page)
     path = write(folder / "page.json", to_api_json(page))
     os.utime(path, (when.timestamp(), when.timestamp()))
     return path
@@ -286,11 +290,7 @@ def test_a_batch_with_a_new_empty_capture_loses_its_statistics(tmp_path):
     recompute gives (the rows computed before the lock must not read the old activations)."""
     settings = Settings(warehouse=tmp_path / "wh")
     run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
-    page = good_page(7, source="race-src")
-    page["activations"] = []
-    path = write(tmp_path / "in1" / "page.json", to_api_json(page))
-    os.utime(path, (datetime(2026, 1, 1).timestamp(),) * 2)
-    run_ingest([path], settings)
+    run_ingest([_page("v1", datetime(2026, 1, 1), tmp_path / "in1", edit=lambda p: p.update(activations=[]))], settings)
     assert query(settings.warehouse, "SELECT count(*) FROM activations") == [(0,)]
     for table in ("feature_activation_stats", "feature_token_stats", "source_activation_stats"):
         assert query(settings.warehouse, f"SELECT count(*) FROM {table}") == [(0,)], table
@@ -305,13 +305,8 @@ def test_a_commit_retried_on_a_busy_catalog_without_a_new_snapshot_loads_what_wa
     ingest_module = importlib.import_module("pipeline.ingest")
     settings = Settings(warehouse=tmp_path / "wh", commit_attempts=30)
     run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
-    page = good_page(7, source="race-src")
-    page["model"]["displayName"] = "renamed"
-    for a in page["activations"]:
-        a["values"] = [v * 2 for v in a["values"]]
-        a["maxValue"], a["minValue"] = a["maxValue"] * 2, a["minValue"] * 2
-    path = write(tmp_path / "in1" / "page.json", to_api_json(page))
-    os.utime(path, (datetime(2026, 1, 1).timestamp(),) * 2)
+    path = _page("v1", datetime(2026, 1, 1), tmp_path / "in1", scale=2.0,
+                 edit=lambda p: p["model"].update(displayName="renamed"))
 
     write_counts, held = ingest_module.write_counts, []
     # another process (SQLite's locks are a process's: one in this process would not block it)

@@ -515,9 +515,9 @@ def _open(settings: Settings, *, read_only: bool, create: bool, threads: int | N
                         db.execute("PRAGMA journal_mode=WAL")
                 override = _data_path_override(settings, recorded if exists else None)
                 # Another thread or process may be looking at the catalog file this moment (a
-                # reader's probe, outside the lock) and SQLite then refuses the first write that
-                # makes the lake ("database is locked"; seen once in some 60 rounds of eight starts at once): the look
-                # ends in milliseconds, so try again, for up to 10 s.
+                # probe outside the lock) and SQLite then refuses the lake's first write ("database
+                # is locked"; seen once, eight threads starting at once on a loaded machine): the
+                # look ends in milliseconds, so try again, for up to 10 s.
                 deadline = time.monotonic() + 10
                 while True:
                     try:
