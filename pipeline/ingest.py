@@ -31,13 +31,13 @@ from tqdm import tqdm
 
 from .config import Settings
 from .lake import runstate, s3, warehouse
-from .lake.landing import disk_full, open_landed, read_landed
+from .lake.landing import disk_full, landed_path, open_landed, read_landed
 from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
 from .lake.warehouse import utcnow
 from .names import check_run_id
 from .stages import materialise, stage, validate
-from .stages.land import Landed, land
+from .stages.land import Digests, Landed, land
 from .stages.load import (
     AGAIN_READ,
     DATA_TABLES,
@@ -204,6 +204,7 @@ class _Run:
         self.landed_before = {sha for sha, _ in rows}
         self.known = {sha for sha, over_limit in rows if not over_limit}
         self.seen_before_this_attempt = set(self.seen_this_run)
+        self.digests = Digests(settings.warehouse / ".input-digests.sqlite")
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
         self._warming: threading.Thread | None = None  # the import of Great Expectations, in a thread
         self._warm_up_started = False  # at the first batch with records to judge
@@ -258,6 +259,7 @@ class _Run:
             self._warmed_up()
             stage.drop(self.conn)
             self._clear_scratch()  # after the load: quarantined records are cut out of these copies
+            self.digests.save()
 
     def _settle_again(self, batch: _Batch) -> None:
         """Bytes taken before that came again: content dedup skips reading them, never the
@@ -394,6 +396,7 @@ class _Run:
             self._warming = None
 
     def close(self) -> None:
+        self.digests.close()
         self._warmed_up()
         self.wait_stored()
         self._store_pool.shutdown(wait=True)
@@ -550,10 +553,17 @@ class _Run:
         try:
             if item.refused is not None:  # found while listing: never opened
                 raise _Unreadable(item.refused)
-            if item.data is None and item.path is not None and not stat.S_ISREG(os.stat(item.path).st_mode):
+            if item.data is not None or item.path is None or item.landed is not None:
+                return land(item, self.settings.landing_root, self.settings.max_input_bytes)
+            st = os.stat(item.path)
+            if not stat.S_ISREG(st.st_mode):
                 # a named pipe would block the run for ever; a socket or device is no page
                 raise _Unreadable("it is not a regular file (a named pipe, socket or device); nothing was read")
-            return land(item, self.settings.landing_root, self.settings.max_input_bytes)
+            if (seen := self._seen_unchanged(item, st)) is not None:
+                return seen
+            landed = land(item, self.settings.landing_root, self.settings.max_input_bytes)
+            self.digests.remember(item.path, st, landed.sha256)
+            return landed
         except (OSError, _Unreadable) as exc:
             # Nothing could be read, so nothing lands: the input is refused here, and the run goes
             # on. (A landing area that cannot be written is no input's fault: LandingFailed stops
@@ -567,6 +577,17 @@ class _Run:
             s.n_rejected += 1
             s.rejected.append({"origin": item.origin, "reason": reason})
             return None
+
+    def _seen_unchanged(self, item: Input, st: os.stat_result) -> Landed | None:
+        """A file unchanged since an earlier run hashed it, whose bytes that run loaded (or
+        refused) and whose landed copy is still there: known without reading it again (an
+        unchanged re-run of a large folder reads nothing). None when it must be read."""
+        if self.reprocess or (sha := self.digests.lookup(item.path, st)) is None or sha not in self.known:
+            return None
+        where = landed_path(self.settings.landing_root, sha)
+        if not is_s3(where) and not Path(where).exists():  # on S3 raw_inputs vouches for the copy
+            return None
+        return Landed(item, sha, where, st.st_size, None, False)
 
     def _is_new(self, item: Input, landed: Landed, batch: _Batch) -> bool:
         """Count the input as received; False for one this run (or an earlier one) already took:

@@ -120,3 +120,103 @@ def test_streaming_land_cleans_up_when_the_source_cannot_be_read(tmp_path):
     with pytest.raises(IsADirectoryError):
         land(Input(origin="dir", path=unreadable), landing, max_bytes=1)
     assert _leftovers(landing) == []
+
+
+# --- an unchanged re-run reads nothing: the input digests -------------------------------------
+
+def _reads(monkeypatch) -> list[str]:
+    """The origins of the inputs each run reads and hashes (pipeline.ingest's land, counted)."""
+    import importlib
+
+    ingest_mod = importlib.import_module("pipeline.ingest")
+    read, real = [], ingest_mod.land
+
+    def counted(item, *a, **kw):
+        read.append(item.origin)
+        return real(item, *a, **kw)
+
+    monkeypatch.setattr(ingest_mod, "land", counted)
+    return read
+
+
+def _pages(folder, n=3, start=700):
+    from bench.generate import write_pages
+
+    write_pages(n, folder, start=start)
+    return sorted(folder.glob("*.json"))
+
+
+@pytest.fixture
+def not_racy(monkeypatch):
+    """Files written by the test a moment ago count as settled (in use, inputs are older than
+    the two seconds a timestamp's granularity might hide a second write in)."""
+    from pipeline.stages.land import Digests
+
+    monkeypatch.setattr(Digests, "RACY_SECONDS", 0.0)
+
+
+def test_an_unchanged_rerun_reads_no_input_again(tmp_path, settings, monkeypatch, not_racy):
+    pages = _pages(tmp_path / "in")
+    reads = _reads(monkeypatch)
+    first = run_ingest([tmp_path / "in"], settings)
+    assert first.n_loaded == 3 and len(reads) == 3
+    again = run_ingest([tmp_path / "in"], settings)
+    assert again.n_duplicates == 3 and again.n_loaded == 0
+    assert len(reads) == 3, "an unchanged file was read and hashed again"
+    # a file rewritten in place, its size and modification time put back, is read again
+    # (its change time moved), and its new bytes land (cut short by a byte, they are refused)
+    p, st = pages[0], pages[0].stat()
+    data = p.read_bytes()
+    p.write_bytes(data.replace(b'"maxValue":', b'"maxValue": ', 1)[:-1])  # same size, other bytes
+    assert p.stat().st_size == st.st_size
+    import os
+
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    third = run_ingest([tmp_path / "in"], settings)
+    assert reads[3:] == [str(p)] and third.n_landed == 1 and third.n_rejected == 1
+    # the same bytes at a path not seen before are read (and found landed)
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "x.json").write_bytes(pages[1].read_bytes())
+    fourth = run_ingest([tmp_path / "copy"], settings)
+    assert len(reads) == 5 and fourth.n_duplicates == 1
+
+
+def test_a_file_just_written_is_hashed_again_next_time(tmp_path, settings, monkeypatch):
+    """Within a timestamp's granularity a second write could leave size and times as they were:
+    a file changed in the two seconds before it was hashed is not remembered."""
+    _pages(tmp_path / "in", n=1)
+    reads = _reads(monkeypatch)
+    run_ingest([tmp_path / "in"], settings)
+    run_ingest([tmp_path / "in"], settings)
+    assert len(reads) == 2
+
+
+def test_reprocess_and_a_lost_landed_copy_read_the_input(tmp_path, settings, monkeypatch, not_racy):
+    (page,) = _pages(tmp_path / "in", n=1)
+    reads = _reads(monkeypatch)
+    first = run_ingest([tmp_path / "in"], settings)
+    again = run_ingest([tmp_path / "in"], settings, reprocess=True)
+    assert len(reads) == 2 and again.n_reread == 1
+    sha = hashlib.sha256(page.read_bytes()).hexdigest()
+    landed = landed_path(settings.landing_dir, sha)
+    landed.chmod(0o644)
+    landed.unlink()  # the landing area lost the copy: the input is read and landed again
+    run_ingest([tmp_path / "in"], settings)
+    assert len(reads) == 3 and landed.read_bytes() == page.read_bytes()
+    assert first.n_loaded == 1
+
+
+@pytest.mark.parametrize("damage", ["garbage", "folder"])
+def test_a_broken_digest_cache_only_costs_reading(tmp_path, settings, monkeypatch, not_racy, damage, caplog):
+    _pages(tmp_path / "in", n=2)
+    settings.warehouse.mkdir(parents=True)
+    cache = settings.warehouse / ".input-digests.sqlite"
+    if damage == "garbage":
+        cache.write_bytes(b"this is not a SQLite database" * 100)
+    else:
+        cache.mkdir()
+    reads = _reads(monkeypatch)
+    first = run_ingest([tmp_path / "in"], settings)
+    again = run_ingest([tmp_path / "in"], settings)
+    assert first.n_loaded == 2 and again.n_duplicates == 2 and len(reads) == 4
+    assert "input digest cache" in caplog.text

@@ -187,10 +187,30 @@ def test_report_for_a_run_that_loaded_nothing(tmp_path, expected):
     page = Path(again.report_path).read_text()
     assert _stat(page, "n_loaded") == 0 and _stat(page, "n_duplicates") == expected["n_received"]
     assert '<div class="verdict PASS"' in page
-    assert "this run loaded no features; showing the whole warehouse (1 feature(s))" in page
+    # it changed nothing: the short form links the report of the run that loaded the data
+    assert "did not change the warehouse's data" in page
+    assert '<a href="run-1.html" id="last-loaded">' in page and "<svg" not in page
     assert "No input was rejected in this run." in page
     assert "No record was quarantined in this run." in page
     assert "the last 2 run(s)" in page
+    assert re.findall(r'<tr class="trend-run( this)?"', page) == ["", " this"]
+
+
+def test_report_of_a_run_that_changed_nothing_in_a_new_warehouse(tmp_path):
+    settings = _settings(tmp_path)
+    summary = ingest([], settings, progress=False, run_id="run-empty")
+    page = Path(summary.report_path).read_text()
+    assert '<div class="verdict PASS"' in page and "No run before it loaded anything." in page
+    assert 'id="last-loaded"' not in page
+
+
+def test_the_short_form_says_when_the_loading_runs_report_is_gone(tmp_path):
+    settings = _settings(tmp_path)
+    first = ingest([FIXTURES], settings, progress=False, run_id="run-1")
+    Path(first.report_path).unlink()
+    again = ingest([FIXTURES], settings, progress=False, run_id="run-2")
+    page = Path(again.report_path).read_text()
+    assert "its report is no longer in this folder" in page and 'id="last-loaded"' not in page
 
 
 def test_report_for_a_run_whose_only_input_was_rejected(tmp_path, expected):

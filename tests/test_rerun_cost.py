@@ -28,6 +28,7 @@ from pipeline import Settings
 from pipeline import ingest
 s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False)
 print(json.dumps({"gx": "great_expectations" in sys.modules, "loaded": s.n_loaded,
+                  "drew": sorted(m for m in ("altair", "vl_convert") if m in sys.modules),
                   "report": s.report_path, "status": s.status}))
 """
 
@@ -46,7 +47,24 @@ def test_an_unchanged_rerun_does_not_import_great_expectations(tmp_path):
     assert again["status"] == "succeeded" and again["loaded"] == 0
     assert not again["gx"], "a re-run with nothing to validate imported Great Expectations (seconds)"
     page = Path(again["report"]).read_text()
-    assert '<div class="verdict PASS"' in page and page.count("<svg") >= 4
+    assert '<div class="verdict PASS"' in page
+    # the short form: nothing drawn (V8's start alone is ~0.4 s), the statistics are the first run's
+    assert again["drew"] == [] and "<svg" not in page
+    assert f'<a href="{Path(first["report"]).name}" id="last-loaded">' in page
+    assert page.count('class="trend-run') == 2
+
+
+def test_a_run_that_changed_something_draws_its_charts(tmp_path):
+    """The short form is only for a run that changed nothing: a new page draws the charts."""
+    wh = tmp_path / "wh"
+    _ingest_child(FIXTURES, wh)
+    from bench.generate import write_pages
+
+    write_pages(1, tmp_path / "more", start=321)
+    run = _ingest_child(tmp_path / "more", wh)
+    assert run["loaded"] == 1 and run["drew"] == ["altair", "vl_convert"]
+    page = Path(run["report"]).read_text()
+    assert 'id="unchanged"' not in page and page.count("<svg") >= 4
 
 
 def test_a_run_of_refused_inputs_only_does_not_import_great_expectations(tmp_path):

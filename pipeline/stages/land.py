@@ -4,8 +4,11 @@ landing area (``pipeline.lake.landing``), before anything reads them."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import sqlite3
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -13,7 +16,9 @@ from ..lake import s3
 from ..lake.landing import Where, publish_file, read_landed, scratch_dir, store, writing
 from .receive import Input
 
-__all__ = ["Landed", "land"]
+__all__ = ["Landed", "land", "Digests"]
+
+log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
 
@@ -76,3 +81,89 @@ def land(item: Input, landing_dir: Where, max_bytes: int) -> Landed:
         Path(tmp).unlink(missing_ok=True)
         raise
     return Landed(item, sha, dest, size, None, new)
+
+
+class Digests:
+    """The SHA-256 of each input file already read, by what ``stat`` says of it, so an unchanged
+    re-run of a folder need not read and hash every file again to find it was landed before.
+
+    A row is the file's path with its device, inode, size, modification and change times (ns)
+    and digest; a file whose ``stat`` differs in any of them is read again. The change time is
+    set by the kernel on every write (no tool can set it back), so a file rewritten in place,
+    even with its size and modification time restored, is read again. Like git's index, a
+    file changed less than ``RACY_SECONDS`` before it was hashed is not remembered: within a
+    timestamp's granularity a second write could leave every field as it was.
+
+    Kept in a SQLite file (``<warehouse>/.input-digests.sqlite``, one row per input path seen).
+    It only saves work: when it cannot be opened, read or written, the run reads every file, as
+    it would without it.
+    """
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.pending: list[tuple] = []
+        self.db: sqlite3.Connection | None = None
+        try:
+            self.db = sqlite3.connect(path, timeout=10, isolation_level=None)
+            self.db.execute("PRAGMA journal_mode = WAL")
+            self.db.execute("""CREATE TABLE IF NOT EXISTS digests (path TEXT PRIMARY KEY, dev INTEGER,
+                ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, hashed_at REAL)""")
+        except (sqlite3.Error, OSError) as exc:
+            self._off(exc)
+
+    def _off(self, exc: Exception) -> None:
+        log.warning("the input digest cache %s is not used (%s): every input is read and hashed", self.path, exc)
+        if self.db is not None:
+            self.db.close()
+        self.db = None
+
+    @staticmethod
+    def _key(st: os.stat_result) -> tuple[int, int, int, int, int]:
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def lookup(self, path: Path, st: os.stat_result) -> str | None:
+        """The digest of ``path``'s bytes if it was hashed before and ``st`` says it is unchanged."""
+        if self.db is None:
+            return None
+        try:
+            row = self.db.execute("SELECT dev, ino, size, mtime_ns, ctime_ns, sha256 FROM digests WHERE path = ?",
+                                  [str(path)]).fetchone()
+        except sqlite3.Error as exc:
+            self._off(exc)
+            return None
+        return row[5] if row is not None and tuple(row[:5]) == self._key(st) else None
+
+    def remember(self, path: Path, before: os.stat_result, sha: str) -> None:
+        """Note ``path``'s digest, hashed from bytes read between ``before`` (its stat then) and
+        now, unless it changed meanwhile or too recently to tell a later write apart."""
+        if self.db is None:
+            return
+        try:
+            after = os.stat(path)
+        except OSError:
+            return
+        now = time.time()
+        if self._key(after) != self._key(before) or now - max(after.st_mtime, after.st_ctime) < self.RACY_SECONDS:
+            return
+        self.pending.append((str(path), *self._key(after), sha, now))
+
+    def save(self) -> None:
+        """Write what ``remember`` noted (one transaction)."""
+        if self.db is None or not self.pending:
+            self.pending.clear()
+            return
+        try:
+            with self.db:
+                self.db.execute("BEGIN IMMEDIATE")
+                self.db.executemany("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.pending)
+        except sqlite3.Error as exc:
+            self._off(exc)
+        self.pending.clear()
+
+    def close(self) -> None:
+        self.save()
+        if self.db is not None:
+            self.db.close()
+            self.db = None
