@@ -368,19 +368,20 @@ def _trim(result: Any) -> Any:
 
 
 def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
-                  outcome: ValidationOutcome) -> int:
+                  outcome: ValidationOutcome, pages: bool = False) -> int:
     """Write one batch's Great Expectations results to the file data context in ``project_dir``.
 
     Results are keyed by suite, run name ``run_id``, the batch's time and ``batch-<n>``, which is
     how ``build_data_docs`` finds a run's pages. Trims the stored per-row lists to 20 entries.
-    Returns how many results were written.
+    With ``pages``, also builds the batch's Data Docs pages (not the site's index), so that the
+    run's report has only the index left to build. Returns how many results were written.
     """
     with _GX_USE:
-        return _store(project_dir, run_id, batch_no, validated_at, outcome)
+        return _store(project_dir, run_id, batch_no, validated_at, outcome, pages)
 
 
 def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
-           outcome: ValidationOutcome) -> int:
+           outcome: ValidationOutcome, pages: bool = False) -> int:
     if not outcome.gx_results:  # nothing was judged: no Great Expectations to import for it
         return 0
     from great_expectations.core.run_identifier import RunIdentifier
@@ -393,6 +394,7 @@ def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: An
     if getattr(validated_at, "tzinfo", True) is None:  # our timestamps are naive UTC
         validated_at = validated_at.replace(tzinfo=datetime.timezone.utc)
     run = RunIdentifier(run_name=run_id, run_time=validated_at)
+    keys = []
     for table, result in outcome.gx_results.items():
         key = ValidationResultIdentifier(
             expectation_suite_identifier=ExpectationSuiteIdentifier(name=result.suite_name),
@@ -402,7 +404,20 @@ def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: An
         result.meta["run_id"] = run  # shown as the run's name and time on the Data Docs page
         result.meta["validation_time"] = validated_at
         context.validation_results_store.set(key, _trim(result))
+        keys.append(key)
+    if pages:
+        context.build_data_docs(resource_identifiers=keys, build_index=False)
     return len(outcome.gx_results)
+
+
+def _no_page(like):
+    """A validation result key no stored result has (``like``'s, in a batch no run names)."""
+    from great_expectations.data_context.types.resource_identifiers import (
+        ValidationResultIdentifier,
+    )
+
+    return ValidationResultIdentifier(expectation_suite_identifier=like.expectation_suite_identifier,
+                                      run_id=like.run_id, batch_identifier="featurehouse-index-only")
 
 
 def build_data_docs(project_dir: Path | str, run_id: str) -> list[Path]:
@@ -417,14 +432,20 @@ def build_data_docs(project_dir: Path | str, run_id: str) -> list[Path]:
     stored = Path(project_dir) / "gx" / "uncommitted" / "validations"
     if not any(d.is_dir() for d in stored.glob(f"*/{glob_escape(run_id)}")):
         return []
-    context = _file_context(str(project_dir))
-    keys = [k for k in context.validation_results_store.list_keys() if k.run_id.run_name == run_id]
-    if not keys:
-        return []
-    sites = context.build_data_docs(resource_identifiers=keys)
-    root = Path(unquote(urlparse(sites["local_site"]).path)).parent
-    pages = []
-    for k in keys:
-        suite, run_name, run_time, batch = k.to_tuple()
-        pages.append(root / "validations" / suite / run_name / run_time / f"{batch}.html")
-    return sorted(p for p in pages if p.exists())
+    with _GX_USE:
+        context = _file_context(str(project_dir))
+        keys = [k for k in context.validation_results_store.list_keys() if k.run_id.run_name == run_id]
+        if not keys:
+            return []
+        root = Path(unquote(urlparse(context.build_data_docs(dry_run=True)["local_site"]).path)).parent
+
+        def page(k) -> Path:
+            suite, run_name, run_time, batch = k.to_tuple()
+            return root / "validations" / suite / run_name / run_time / f"{batch}.html"
+
+        # pages built as their batches were stored (store_results(pages=True)) are not built
+        # again; the index is. Great Expectations takes no list as every page in the store, so
+        # with none missing it is given a key no result has: it builds no page, then the index.
+        missing = [k for k in keys if not page(k).exists()]
+        context.build_data_docs(resource_identifiers=missing or [_no_page(keys[0])])
+    return sorted(p for p in map(page, keys) if p.exists())
