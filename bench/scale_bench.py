@@ -101,6 +101,37 @@ def _run(settings, units: list[dict], workers: int, run_id: str, env: dict) -> d
                         "commit_seconds"), row))}
 
 
+def _vs_local(pairs: int, tmp: Path, pg, landing: str, exports: list, export_mb: float, env: dict) -> dict:
+    """The export batches loaded by one worker on PostgreSQL + S3 and on local disk (SQLite
+    catalog, data and landing in the warehouse folder), in turn, ``pairs`` times: S3's
+    throughput as a share of local disk's, pair by pair (the same rows, the same code)."""
+    import psycopg
+
+    from pipeline.config import Settings
+    from pipeline.sources.plan import ingest_units
+
+    dsn = pg.catalog.split(":", 1)[1]
+    unit = [{"window": "exports", "model": MODEL, "source": SOURCE, "via": "exports"}]
+    shares, runs = [], []
+    for i in range(pairs):
+        db = f"bench_vs_{i}"
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(f"CREATE DATABASE {db}")
+        s3 = Settings.from_env(warehouse=tmp / db, catalog=pg.catalog.replace("dbname=featurehouse", f"dbname={db}"),
+                               data_path=f"s3://bench/{db}/", landing=landing)
+        on_s3 = _run(s3, ingest_units(unit, s3), 1, f"bench-vs-s3-{i}", env)
+        local = Settings.from_env(warehouse=tmp / f"local_{i}")
+        _land(local, "exports", exports)  # its own landing area, on disk (not timed)
+        on_disk = _run(local, ingest_units(unit, local), 1, f"bench-vs-local-{i}", env)
+        share = on_disk["load_seconds"] / on_s3["load_seconds"]  # throughput S3 / throughput local
+        shares.append(round(share, 3))
+        runs.append({"s3_seconds": on_s3["load_seconds"], "local_seconds": on_disk["load_seconds"],
+                     "s3_mb_per_second": round(export_mb / on_s3["load_seconds"], 2),
+                     "local_mb_per_second": round(export_mb / on_disk["load_seconds"], 2), "share": round(share, 3)})
+    return {"pairs": runs, "s3_share_of_local_median": sorted(shares)[len(shares) // 2], "shares": sorted(shares),
+            "goal": "S3 export throughput >= 50% of local disk's"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=400, help="synthetic pages (~270 KB each)")
@@ -109,6 +140,10 @@ def main() -> None:
     ap.add_argument("--exports", action="store_true", help="also export batches (gzip JSONL), MB/s")
     ap.add_argument("--batch-features", type=int, help="features per export batch file (default n/8)")
     ap.add_argument("--no-pages", action="store_true", help="export batches only")
+    ap.add_argument("--vs-local", type=int, default=0, metavar="PAIRS",
+                    help="with --exports: also load the export batches with one worker into a local warehouse "
+                         "(SQLite catalog, data and landing on disk), alternating with S3, PAIRS times; "
+                         "prints S3's throughput as a share of local disk's")
     args = ap.parse_args()
     counts = args.workers or [1, 2]
 
@@ -169,6 +204,9 @@ def main() -> None:
                         r["export_mb_per_second"] = round(results["export_mb"] / r["load_seconds"], 2)
                     results["runs"].append(r)
                     print(json.dumps(r), flush=True)
+            if args.vs_local and exports:
+                results["vs_local"] = _vs_local(args.vs_local, tmp, pg, landing, exports, results["export_mb"], env)
+                print(json.dumps(results["vs_local"]), flush=True)
     finally:
         stop(moto, grace=5)
     results["load_average_after"] = os.getloadavg()

@@ -177,7 +177,6 @@ class _Run:
                  reprocess: bool, materialise: bool = True, source_stats: bool = True, report_after: bool = False):
         self.conn = conn
         self.report_after = report_after
-        self.chart_helper: Any = None  # the report's ChartHelper, started with the first batch of records
         self.materialise = materialise
         self.source_stats = source_stats
         self.settings = settings
@@ -245,10 +244,6 @@ class _Run:
             self._warm_up_started = True
             self._warming = threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True)
             self._warming.start()
-            if self.report_after:  # records will load: the report will draw, and can start now
-                from .outputs.report import ChartHelper
-
-                self.chart_helper = ChartHelper.start()
         timed = self.summary.timed
         try:
             with warehouse.scratch_first(self.conn):  # temp tables only until the load
@@ -777,38 +772,28 @@ def ingest(
             log.error("could not record that run %s failed", run_id, exc_info=not disk_full(record_exc))
             exc.add_note(f"run {run_id} could not be recorded as failed ({str(record_exc).splitlines()[0]}); "
                          "the next ingest on this host records it as abandoned")
-        charts = run_started.chart_helper if run_started is not None else None
-        try:
-            if report_after and isinstance(exc, Exception) and not disk_full(exc):  # none can be written then
-                write_run_report(conn, summary, settings, charts)
-        finally:
-            if charts is not None:
-                charts.close()
+        if report_after and isinstance(exc, Exception) and not disk_full(exc):  # none can be written then
+            write_run_report(conn, summary, settings)
         conn.close()
         raise
     summary.seconds = round(time.monotonic() - started, 3)
-    try:
-        runstate.finish_run(conn, settings, summary)
-        if report_after:
-            write_run_report(conn, summary, settings, run.chart_helper)
-    finally:
-        if run.chart_helper is not None:
-            run.chart_helper.close()
+    runstate.finish_run(conn, settings, summary)
+    if report_after:
+        write_run_report(conn, summary, settings)
     conn.close()
     return summary
 
 
-def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings,
-                     charts: Any = None) -> None:
+def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
     """Write the run's HTML report (it records its path in ``runs.report_path``); a failure
-    here is logged, not raised. ``charts``: a ``report.ChartHelper`` to draw the charts."""
+    here is logged, not raised."""
     try:
         from .outputs import (
             report,  # charts pull in Altair and vl-convert: only when a report is wanted
         )
 
         with summary.timed("report"):
-            path = report.write_report(conn, summary.run_id, settings=settings, charts=charts)
+            path = report.write_report(conn, summary.run_id, settings=settings)
         summary.report_path = str(path)
         runstate.record_report(conn, settings, summary.run_id, path)
     except Exception as exc:

@@ -604,110 +604,6 @@ def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
     return charts
 
 
-#: What ``_charts`` reads of a report's context: all a chart helper is sent.
-_CHART_INPUTS = ("run", "feature_stats", "frac_nonzero", "chat_pairs", "top_features", "trend")
-
-
-class ChartHelper:
-    """A process that draws a report's charts, started while the run is still loading.
-
-    Drawing needs Altair (~0.25 s to import), pandas and vl-convert's V8 engine (~0.4 s to
-    start, holding the GIL): paid in the run's own process they come after the load, on the
-    run's path. Started with the run's first batch, this process pays them on another core while
-    the run loads, then waits; ``draw`` sends it what the charts show and gets the SVG back.
-    Anything wrong with it (it died, it answers with an error, it takes too long) and the
-    report draws its charts itself, as without it. It ends when its pipe closes: when ``close``
-    is called, or when the run's process exits, however it exits.
-
-    A process of its own (not ``multiprocessing``): its start methods import the parent's main
-    module first, which for the ``featurehouse`` command is the whole CLI.
-    """
-
-    TIMEOUT = 300.0
-
-    def __init__(self) -> None:
-        import subprocess
-        import sys
-
-        # the package this process runs, first on the helper's path: the same code either side
-        here = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen([sys.executable, "-c", "from pipeline.outputs.report import _chart_helper_main as m; m()"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-
-    @classmethod
-    def start(cls) -> ChartHelper | None:
-        """A new helper, or None when no process can be started (the report then draws its own)."""
-        try:
-            return cls()
-        except OSError as exc:
-            log.warning("no chart helper (%s): the report draws its charts itself", exc)
-            return None
-
-    def draw(self, ctx: dict[str, Any], cache: Path | None) -> dict[str, Any] | None:
-        """The charts of ``ctx`` as ``_charts`` draws them, or None when the helper cannot."""
-        import pickle
-        from concurrent.futures import ThreadPoolExecutor
-
-        def ask() -> Any:
-            pickle.dump(({k: ctx[k] for k in _CHART_INPUTS}, cache), self.proc.stdin)
-            self.proc.stdin.flush()
-            return pickle.load(self.proc.stdout)
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix="chart-helper")
-        try:
-            status, value = pool.submit(ask).result(timeout=self.TIMEOUT)
-        except Exception as exc:  # died (EOF, broken pipe), hung, or sent what is not a pickle
-            log.warning("the chart helper did not draw the charts (%s: %s): the report draws them itself",
-                        type(exc).__name__, exc)
-            self.close(kill=True)
-            return None
-        finally:
-            pool.shutdown(wait=False)
-        if status != "ok":
-            log.warning("the chart helper failed (%s): the report draws the charts itself", value)
-            return None
-        return value
-
-    def close(self, kill: bool = False) -> None:
-        if kill:
-            self.proc.kill()
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=5)
-        except Exception:
-            self.proc.kill()
-            self.proc.wait()
-        with contextlib.suppress(OSError):
-            self.proc.stdout.close()
-
-
-def _chart_helper_main() -> None:
-    """The chart helper's loop (see :class:`ChartHelper`): warm up, then draw each request."""
-    import pickle
-    import sys
-
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # nothing but answers on the pipe
-    import pandas  # noqa: F401  (the requests' frames)
-    import vl_convert as vlc
-
-    _alt()
-    vlc.vegalite_to_svg({"mark": "point", "data": {"values": [{}]}})  # starts V8
-    while True:
-        try:
-            ctx, cache = pickle.load(stdin)
-        except EOFError:
-            return
-        try:
-            answer = ("ok", _charts(ctx, cache))
-        except Exception as exc:
-            answer = ("error", f"{type(exc).__name__}: {exc}")
-        pickle.dump(answer, stdout)
-        stdout.flush()
-
-
 def _int_ticks(top: float, most: int = 4) -> list[int]:
     """Whole-number axis ticks from 0 past ``top`` in steps of 1, 2, 5, 10, 20, 50 ...: at most
     about ``most`` steps. (vl-convert's renderer ignores Vega's ``tickMinStep``.)"""
@@ -819,7 +715,6 @@ def write_report(
     run_id: str | None = None,
     out_dir: Path | None = None,
     settings: Settings | None = None,
-    charts: ChartHelper | None = None,
 ) -> Path:
     """Write the HTML report of one run (default: the latest) and refresh the runs index.
 
@@ -832,8 +727,7 @@ def write_report(
 
     Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report, and
     ``warehouse.WarehouseMissing`` when the warehouse does not exist, and
-    ``names.BadRunId`` when the run id cannot name a file (it names the report). ``charts``, a
-    :class:`ChartHelper` started earlier, draws the charts when given.
+    ``names.BadRunId`` when the run id cannot name a file (it names the report).
     """
     if run_id is not None:
         check_run_id(run_id)
@@ -845,13 +739,13 @@ def write_report(
         conn, own = warehouse_mod.connect(settings, read_only=True), True
     try:
         out_dir = Path(out_dir) if out_dir is not None else settings.report_dir
-        return _write(conn, run_id, out_dir, settings, charts)
+        return _write(conn, run_id, out_dir, settings)
     finally:
         if own:
             conn.close()
 
 
-def _write(conn, run_id, out_dir: Path, settings: Settings, charts: ChartHelper | None = None) -> Path:
+def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
     started = time.monotonic()
     run = _run_row(conn, run_id)
     run_id = check_run_id(run["run_id"])  # the latest run, too, may predate the check
@@ -860,8 +754,7 @@ def _write(conn, run_id, out_dir: Path, settings: Settings, charts: ChartHelper 
         ctx = _gather_quiet(conn, run, out_dir)
     else:
         ctx = _gather(conn, run)
-        drawn = charts.draw(ctx, out_dir / ".charts") if charts is not None else None
-        ctx["charts"] = drawn if drawn is not None else _charts(ctx, out_dir / ".charts")
+        ctx["charts"] = _charts(ctx, out_dir / ".charts")
         ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir)
     ctx["warehouse"] = str(settings.warehouse)
     ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
