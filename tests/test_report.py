@@ -188,8 +188,12 @@ def test_report_for_a_run_that_loaded_nothing(tmp_path, expected):
     assert _stat(page, "n_loaded") == 0 and _stat(page, "n_duplicates") == expected["n_received"]
     assert '<div class="verdict PASS"' in page
     # it changed nothing: the short form links the report of the run that loaded the data
-    assert "did not change the warehouse's data" in page
+    assert "the activation statistics are as runs before it left them" in page
     assert '<a href="run-1.html" id="last-loaded">' in page and "<svg" not in page
+    whole = html.unescape(re.search(r'id="unchanged".*?<pre class="sql">(.*?)</pre>', page, re.S).group(1))
+    with open_warehouse(settings) as conn:  # the query it gives for the whole warehouse runs
+        rows = conn.execute(whole).fetchall()
+    assert rows and all(len(r) == 6 and r[3] >= 1 for r in rows)
     assert "No input was rejected in this run." in page
     assert "No record was quarantined in this run." in page
     assert "the last 2 run(s)" in page
