@@ -56,6 +56,11 @@ bench: setup ## Benchmark ingest against DuckDB read_json (full N=250/1000, re-r
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 	$(BIN)/python bench/find_bench.py $(FIND_BENCH_ARGS)
 
+bench-scale: setup ## Scale-out figures on PostgreSQL + S3 (moto): lock share, 1 vs 2 writers, S3 export throughput vs local disk (needs PostgreSQL's binaries, as `make test`)
+	@$(BIN)/python -m compileall -q pipeline
+	$(BIN)/python bench/scale_bench.py --n 200 --workers 1 --workers 2 $(SCALE_BENCH_ARGS)
+	$(BIN)/python bench/scale_bench.py --n 800 --batch-features 800 --exports --no-pages --workers 1 --vs-local 2
+
 bench-find: setup ## Benchmark search, similar and by-token on one generated 262,144-feature source (CLI and Python), index build and refresh
 	$(BIN)/python bench/find_bench.py $(FIND_BENCH_ARGS)
 

@@ -214,6 +214,29 @@ def main() -> None:
     name = "scale-exports.json" if args.no_pages else "scale.json"
     (OUT / name).write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items() if k != "runs"}))
+    for line in _goals(results):
+        print(line)
+
+
+def _goals(results: dict) -> list[str]:
+    """Issue 18's scale-out goals, each with the figure measured here and whether it is met."""
+    out = []
+    for what in ("pages", "exports"):
+        runs = {r["workers"]: r for r in results["runs"] if r["what"] == what}
+        if 1 in runs:
+            one = runs[1]
+            share = one["commit_seconds"] / one["load_seconds"]
+            out.append(f"{what}: commit lock held {100 * share:.1f}% of one writer's wall time "
+                       f"(goal <= 10%: {'met' if share <= 0.10 else 'NOT met'})")
+        if 1 in runs and 2 in runs:
+            speedup = runs[1]["load_seconds"] / runs[2]["load_seconds"]
+            out.append(f"{what}: two writers {speedup:.2f}x as fast as one "
+                       f"(goal: no slower, >= 1.0: {'met' if speedup >= 1.0 else 'NOT met'})")
+    if "vs_local" in results:
+        share = results["vs_local"]["s3_share_of_local_median"]
+        out.append(f"exports: S3 throughput {100 * share:.0f}% of local disk's (median of pairs "
+                   f"{results['vs_local']['shares']}; goal >= 50%: {'met' if share >= 0.5 else 'NOT met'})")
+    return out
 
 
 if __name__ == "__main__":
