@@ -128,3 +128,32 @@ def test_only_runs_of_this_host_whose_process_is_gone_are_abandoned(tmp_path):
         for p in (zombie, reused):
             p.kill()
             p.wait()
+
+
+def test_a_part_starts_without_a_commit_unless_it_clears_its_own_failure(tmp_path):
+    """Parts of a shared run (a night's units) record nothing when they start, once the run's
+    row is there: no turn of the commit lock per unit. A part whose earlier attempt failed the
+    run clears that failure when it starts again; another part's start leaves it."""
+    settings = Settings.from_env(warehouse=tmp_path / "wh")
+    conn = warehouse.connect(settings, create=True)
+    try:
+        def start(part):
+            s = runstate.RunSummary(run_id="night-1", warehouse=str(settings.warehouse), part=part)
+            runstate.start_run(conn, settings, s, "nightly")
+            return s
+
+        def snapshots():
+            return conn.execute(f"SELECT count(*) FROM {warehouse.CATALOG}.snapshots()").fetchone()[0]
+
+        first = start(0)
+        assert first.stats.commits == 1  # the run's row is made
+        before = snapshots()
+        assert start(1).stats.commits == 0 and snapshots() == before
+        failed = start(2)
+        runstate.finish_run(conn, settings, failed, error="its worker died")
+        row = lambda: conn.execute("SELECT status, error FROM runs WHERE run_id = 'night-1'").fetchone()  # noqa: E731
+        assert row() == ("failed", "part c2: its worker died")
+        assert start(1).stats.commits == 0 and row()[0] == "failed"  # not its failure
+        assert start(2).stats.commits == 1 and row() == ("running", None)  # its retry clears it
+    finally:
+        conn.close()

@@ -265,6 +265,13 @@ def start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunS
                          "VALUES ($run_id, $at, 'running', $trigger, $host, $pid)",
                          {"run_id": summary.run_id, "at": utcnow(), "trigger": trigger} | owner)
 
+    if summary.part is not None:
+        # A part of a run whose row is there, not failed by this part: nothing to write, so no
+        # commit (and no turn of the commit lock: one for every unit of a night). Decided again
+        # inside the commit when there is something to write.
+        row = conn.execute("SELECT status, error FROM runs WHERE run_id = ?", [summary.run_id]).fetchone()
+        if row is not None and not (row[0] == "failed" and (row[1] or "").startswith(_part_tag(summary.part))):
+            return
     warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} started",
                           extra={"run_id": summary.run_id}, stats=summary.stats)
 
