@@ -379,13 +379,15 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
                 os.makedirs(folder, exist_ok=True)  # DuckLake makes a table's folder at its first write
             path = f"{folder}featurehouse-{uuid.uuid4()}.parquet"
             conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {_sql_text(path)} "
-                         f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE})")
+                         f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE}, COMPRESSION zstd)")
             plan.files[table] = path
     return plan
 
 
 #: As the lake's ``parquet_row_group_size`` option (migration 0001): small groups, so that a
-#: query for a few features reads a few groups.
+#: query for a few features reads a few groups. Compressed with zstd, not DuckLake's default
+#: snappy: a batch's activations file wrote faster (0.53-0.64 s against 0.70-0.88 s for 200
+#: pages, 2026-12-02) and smaller; readers take either, file by file.
 _ROW_GROUP_SIZE = 2048
 
 
