@@ -86,6 +86,14 @@ class Settings:
     faster on one thread with 17-35% less CPU (threads spin on small statements);
     `$FEATUREHOUSE_BYTES_PER_THREAD` (0: always every core)."""
 
+    input_digest_days: float = 7.0
+    """How long an input file's digest is trusted without reading the file again, while its
+    ``stat`` (path, device, inode, size, modification and change times) is unchanged: an
+    unchanged re-run reads nothing (``<warehouse>/.input-digests.sqlite``). After this many days
+    since the file was hashed, it is read and hashed again. 0: every input is read and hashed at
+    every run (for inputs written in ways ``stat`` does not show, e.g. through a memory map held
+    open); `$FEATUREHOUSE_INPUT_DIGEST_DAYS`."""
+
     reports_dir: Path | None = None
     """Where HTML reports go; `$FEATUREHOUSE_REPORTS`, else `reports/` in the warehouse folder."""
 
@@ -179,6 +187,7 @@ class Settings:
             batch_activations=_env_int("FEATUREHOUSE_BATCH_ACTIVATIONS", cls.batch_activations),
             batch_bytes=_env_int("FEATUREHOUSE_BATCH_BYTES", cls.batch_bytes),
             bytes_per_thread=_env_int("FEATUREHOUSE_BYTES_PER_THREAD", cls.bytes_per_thread),
+            input_digest_days=_env_float("FEATUREHOUSE_INPUT_DIGEST_DAYS", cls.input_digest_days),
             reports_dir=Path(reports) if reports else None,
             commit_attempts=_env_int("FEATUREHOUSE_COMMIT_ATTEMPTS", cls.commit_attempts),
             lock_timeout=_env_float("FEATUREHOUSE_LOCK_TIMEOUT", cls.lock_timeout),

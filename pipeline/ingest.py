@@ -205,7 +205,7 @@ class _Run:
         self.landed_before = {sha for sha, _ in rows}
         self.known = {sha for sha, over_limit in rows if not over_limit}
         self.seen_before_this_attempt = set(self.seen_this_run)
-        self.digests = Digests(settings.warehouse / ".input-digests.sqlite")
+        self.digests = Digests(settings.warehouse / ".input-digests.sqlite", settings.input_digest_days * 86400)
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="gx-store")
         self._warming: threading.Thread | None = None  # the import of Great Expectations, in a thread
         self._warm_up_started = False  # at the first batch with records to judge

@@ -214,7 +214,36 @@ def test_the_short_form_says_when_the_loading_runs_report_is_gone(tmp_path):
     Path(first.report_path).unlink()
     again = ingest([FIXTURES], settings, progress=False, run_id="run-2")
     page = Path(again.report_path).read_text()
-    assert "its report is no longer in this folder" in page and 'id="last-loaded"' not in page
+    assert "its report was not found" in page and 'id="last-loaded"' not in page
+    assert "featurehouse report --run run-1" in page
+
+
+def test_the_short_form_links_the_loading_run_beside_it_wherever_the_warehouse_went(tmp_path):
+    """Found by the outside review: the link followed runs.report_path as stored, which named a
+    folder relative to where the loading run was started, or the original of a copied warehouse."""
+    import shutil
+
+    settings = _settings(tmp_path)
+    ingest([FIXTURES], settings, progress=False, run_id="run-1")
+    copy = tmp_path / "copy"
+    shutil.copytree(settings.warehouse, copy, symlinks=True)
+    again = ingest([FIXTURES], Settings.from_env(warehouse=copy), progress=False, run_id="run-2")
+    page = Path(again.report_path).read_text()
+    assert again.report_path.startswith(str(copy)) and '<a href="run-1.html" id="last-loaded">' in page
+
+
+def test_the_short_form_names_the_latest_loading_run_even_without_its_report(tmp_path):
+    """Found by the outside review: a loading run with no report (report_after=False, a failed
+    report task) was passed over for an older one."""
+    from bench.generate import write_pages
+
+    settings = _settings(tmp_path)
+    ingest([FIXTURES], settings, progress=False, run_id="run-1")
+    write_pages(1, tmp_path / "more", start=600)
+    ingest([tmp_path / "more"], settings, progress=False, run_id="run-2", report_after=False)
+    again = ingest([tmp_path / "more"], settings, progress=False, run_id="run-3")
+    page = Path(again.report_path).read_text()
+    assert '<span class="mono">run-2</span>' in page and "featurehouse report --run run-2" in page
 
 
 def test_report_for_a_run_whose_only_input_was_rejected(tmp_path, expected):

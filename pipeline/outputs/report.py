@@ -216,16 +216,27 @@ def _gather_quiet(conn: duckdb.DuckDBPyConnection, run: dict[str, Any], out_dir:
     ctx = _gather_run(conn, run)
     last = _rows(conn, """
         SELECT run_id, started_at, report_path FROM runs
-        WHERE started_at <= ? AND run_id <> ? AND n_loaded > 0 AND report_path IS NOT NULL
+        WHERE started_at <= ? AND run_id <> ? AND n_loaded > 0
         ORDER BY started_at DESC LIMIT 1""", [run["started_at"], run["run_id"]])
     if last:
-        page = Path(last[0]["report_path"])
-        last[0]["href"] = _rel(page, out_dir) if page.exists() else None
+        page = _report_page(last[0], out_dir)
+        last[0]["href"] = _rel(page, out_dir) if page is not None else None
     ctx["quiet"] = {"last_loaded": last[0] if last else None}
     trend = _rows(conn, _TREND_SQL, [run["started_at"], _TREND_RUNS])
     ctx["trend"] = trend[::-1]
     ctx["charts"], ctx["data_docs"] = {}, None
     return ctx
+
+
+def _report_page(run: dict[str, Any], out_dir: Path) -> Path | None:
+    """A run's report: beside the one being written (the warehouse's reports, wherever the
+    warehouse has been moved or copied to), else where the run recorded it (an absolute path:
+    a relative one was relative to a folder no longer known); None when neither is there."""
+    with contextlib.suppress(BadRunId):
+        if (page := out_dir / f"{check_run_id(run['run_id'])}.html").exists():
+            return page
+    stored = Path(run["report_path"]) if run.get("report_path") else None
+    return stored if stored is not None and stored.is_absolute() and stored.exists() else None
 
 
 def _gather_run(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, Any]:

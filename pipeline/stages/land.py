@@ -89,29 +89,51 @@ class Digests:
 
     A row is the file's path with its device, inode, size, modification and change times (ns)
     and digest; a file whose ``stat`` differs in any of them is read again. The change time is
-    set by the kernel on every write (no tool can set it back), so a file rewritten in place,
-    even with its size and modification time restored, is read again. Like git's index, a
-    file changed less than ``RACY_SECONDS`` before it was hashed is not remembered: within a
-    timestamp's granularity a second write could leave every field as it was.
+    set by the kernel on a write (no tool can set it back), so a file rewritten in place, even
+    with its size and modification time restored, is read again. Like git's index, a file
+    changed less than ``RACY_SECONDS`` before it was hashed is not remembered: within a
+    timestamp's granularity a second write could leave every field as it was, and a write
+    through a memory map moves the times only at the first write to a page until the kernel
+    writes the page back (~30 s on Linux's defaults). A digest is trusted for ``max_age``
+    seconds after the hashing, then the file is read again (``Settings.input_digest_days``;
+    0 turns the cache off) and rows not used since are dropped.
 
-    Kept in a SQLite file (``<warehouse>/.input-digests.sqlite``, one row per input path seen).
-    It only saves work: when it cannot be opened, read or written, the run reads every file, as
-    it would without it.
+    Kept in a SQLite file (``<warehouse>/.input-digests.sqlite``). It only saves work: when it
+    cannot be opened, read or written, the run reads every file, as it would without it; one
+    that is not a database is set aside (``.broken``) and started again.
     """
 
-    RACY_SECONDS = 2.0
+    RACY_SECONDS = 60.0
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, max_age: float):
         self.path = path
+        self.max_age = max_age
         self.pending: list[tuple] = []
         self.db: sqlite3.Connection | None = None
-        try:
-            self.db = sqlite3.connect(path, timeout=10, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode = WAL")
-            self.db.execute("""CREATE TABLE IF NOT EXISTS digests (path TEXT PRIMARY KEY, dev INTEGER,
-                ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, hashed_at REAL)""")
-        except (sqlite3.Error, OSError) as exc:
-            self._off(exc)
+        if not max_age > 0:  # 0 (or NaN): off
+            return
+        for attempt in (1, 2):
+            try:
+                self.db = sqlite3.connect(path, timeout=1.0, isolation_level=None)
+                self.db.execute("PRAGMA journal_mode = WAL")
+                self.db.execute("""CREATE TABLE IF NOT EXISTS digests (path BLOB PRIMARY KEY, dev INTEGER,
+                    ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER, sha256 TEXT, hashed_at REAL)""")
+                return
+            except sqlite3.DatabaseError as exc:
+                if attempt == 1 and not isinstance(exc, sqlite3.OperationalError):  # not a database at all
+                    self.db.close()
+                    try:
+                        os.replace(path, path.with_name(path.name + ".broken"))
+                        log.warning("the input digest cache %s was damaged (%s): set aside as %s.broken, "
+                                    "started again", path, exc, path.name)
+                        continue
+                    except OSError:
+                        pass
+                self._off(exc)
+                return
+            except (OSError, ValueError) as exc:
+                self._off(exc)
+                return
 
     def _off(self, exc: Exception) -> None:
         log.warning("the input digest cache %s is not used (%s): every input is read and hashed", self.path, exc)
@@ -124,16 +146,19 @@ class Digests:
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
     def lookup(self, path: Path, st: os.stat_result) -> str | None:
-        """The digest of ``path``'s bytes if it was hashed before and ``st`` says it is unchanged."""
+        """The digest of ``path``'s bytes if it was hashed (less than ``max_age`` ago) and ``st``
+        says it is unchanged since."""
         if self.db is None:
             return None
         try:
-            row = self.db.execute("SELECT dev, ino, size, mtime_ns, ctime_ns, sha256 FROM digests WHERE path = ?",
-                                  [str(path)]).fetchone()
-        except sqlite3.Error as exc:
+            row = self.db.execute("SELECT dev, ino, size, mtime_ns, ctime_ns, sha256, hashed_at FROM digests "
+                                  "WHERE path = ?", [os.fsencode(path)]).fetchone()
+        except (sqlite3.Error, ValueError) as exc:
             self._off(exc)
             return None
-        return row[5] if row is not None and tuple(row[:5]) == self._key(st) else None
+        if row is None or tuple(row[:5]) != self._key(st) or time.time() - row[6] > self.max_age:
+            return None
+        return row[5]
 
     def remember(self, path: Path, before: os.stat_result, sha: str) -> None:
         """Note ``path``'s digest, hashed from bytes read between ``before`` (its stat then) and
@@ -147,10 +172,10 @@ class Digests:
         now = time.time()
         if self._key(after) != self._key(before) or now - max(after.st_mtime, after.st_ctime) < self.RACY_SECONDS:
             return
-        self.pending.append((str(path), *self._key(after), sha, now))
+        self.pending.append((os.fsencode(path), *self._key(after), sha, now))
 
     def save(self) -> None:
-        """Write what ``remember`` noted (one transaction)."""
+        """Write what ``remember`` noted (one transaction), and drop rows past ``max_age``."""
         if self.db is None or not self.pending:
             self.pending.clear()
             return
@@ -158,7 +183,8 @@ class Digests:
             with self.db:
                 self.db.execute("BEGIN IMMEDIATE")
                 self.db.executemany("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?, ?, ?)", self.pending)
-        except sqlite3.Error as exc:
+                self.db.execute("DELETE FROM digests WHERE hashed_at < ?", [time.time() - self.max_age])
+        except (sqlite3.Error, ValueError) as exc:
             self._off(exc)
         self.pending.clear()
 
