@@ -159,8 +159,8 @@ def _key_fields(record_json: str | None) -> list[tuple[str, str]]:
 def _run_scope(conn: duckdb.DuckDBPyConnection, run_id: str) -> tuple[str, str]:
     """SQL for the features a report's statistics cover, and a label for it.
 
-    The features the run loaded; when it loaded none, the whole warehouse (so a re-run that
-    found nothing new still shows the data it vouches for).
+    The features the run loaded; when it loaded none (it refused its inputs, or failed), the
+    whole warehouse. (A run that changed nothing gets the short form, which reads neither.)
     """
     run_sql = f"""SELECT model_id, source_id, feature_index FROM features WHERE run_id = '{_q(run_id)}'
                   UNION SELECT model_id, source_id, feature_index FROM activations WHERE run_id = '{_q(run_id)}'"""
@@ -186,7 +186,7 @@ def _q(s: str) -> str:
 def changed_nothing(run: dict[str, Any]) -> bool:
     """Whether a run (a ``runs`` row) succeeded without loading, rejecting or refusing anything:
     an unchanged re-run, an inbox with nothing new, no inputs at all. Its report is the short
-    form: the warehouse's data is as an earlier run's report shows it."""
+    form: the activation statistics are as the runs before it left them."""
     return run.get("status") == "succeeded" and not any(run.get(k) for k in (
         "n_loaded", "n_reread", "n_rejected", "n_quarantined", "n_features", "n_activations", "n_explanations",
         "n_superseded", "n_expectations", "n_fetch_failed", "n_fetch_not_found"))
@@ -210,7 +210,8 @@ _TREND_SQL = """
 
 def _gather_quiet(conn: duckdb.DuckDBPyConnection, run: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """The short form's context (see :func:`changed_nothing`): the run's own sections, the
-    latest earlier run that loaded something with a report (linked), and the trend as a table.
+    latest earlier run that loaded something (its report linked when found), and the trend as
+    a table.
     Nothing here reads the warehouse's data tables, nothing is drawn: an unchanged re-run's
     report costs the same whatever the warehouse holds."""
     ctx = _gather_run(conn, run)

@@ -121,7 +121,9 @@ class Digests:
                 return
             except sqlite3.DatabaseError as exc:
                 if attempt == 1 and not isinstance(exc, sqlite3.OperationalError):  # not a database at all
-                    self.db.close()
+                    if self.db is not None:
+                        self.db.close()
+                        self.db = None
                     try:
                         os.replace(path, path.with_name(path.name + ".broken"))
                         log.warning("the input digest cache %s was damaged (%s): set aside as %s.broken, "
