@@ -33,6 +33,7 @@ from pipeline.sources.plan import ingest_units
 from pipeline.stages.land import land
 from pipeline.stages.materialise import refresh_run
 from pipeline.stages.receive import Input
+from tests.airflow_helpers import postgres_cluster
 from tests.conftest import query, table_rows
 from tests.fake_neuronpedia import FakeNeuronpedia
 from tests.fetch_support import FAST, MODEL, SOURCE, pages, scalar
@@ -103,17 +104,24 @@ def test_files_ingested_from_disk_land_on_s3(env, tmp_path):
 
 
 @pytest.mark.heavy(60)
+@pytest.mark.postgres
 def test_on_s3_one_ingest_and_units_at_once_match_one_ingest_on_disk(env, tmp_path):
     """The same window fetched on disk and into S3: one ingest on disk; one ingest on S3; and
-    the units of the window ingested at once (threads), as the nightly DAG's mapped ingests do,
-    each its own part of one run, committing to one catalog, then one materialise. API pages
-    and export batch files (which DuckDB streams from S3) alike."""
+    the units of the window ingested by four writers at once (threads) on a PostgreSQL catalog,
+    as the nightly DAG's mapped ingests do, each its own part of one run, then one materialise.
+    API pages and export batch files (which DuckDB streams from S3) alike."""
+    with postgres_cluster() as pg:
+        _units_at_once(env, tmp_path, pg.catalog)
+
+
+def _units_at_once(env, tmp_path, catalog: str) -> None:
     chunks = [{"window": "w", "model": MODEL, "source": SOURCE, "via": "api", "start": a, "stop": a + 10}
               for a in (0, 10, 20)] + [{"window": "w", "model": MODEL, "source": SOURCE, "via": "exports"}]
     local = Settings.from_env(warehouse=tmp_path / "wh-local")
     bucket = env.bucket()
     remote = on_s3(tmp_path, env, bucket)
-    parallel = replace(remote, warehouse=tmp_path / "wh-parallel", data_path=f"s3://{bucket}/parallel/data/")
+    parallel = replace(remote, warehouse=tmp_path / "wh-parallel", data_path=f"s3://{bucket}/parallel/data/",
+                       catalog=catalog)
     with FakeNeuronpedia(pages=pages(30), batch_features=8) as np:
         for s in (local, remote):  # `parallel` shares `remote`'s landing area
             fetch_features(MODEL, SOURCE, range(0, 30), settings=s, base_url=np.base_url, window="w", **FAST)
@@ -150,6 +158,7 @@ def test_on_s3_one_ingest_and_units_at_once_match_one_ingest_on_disk(env, tmp_pa
     assert any(k.startswith("lake/landing/fetch/w/") for k in keys)  # the manifest's parts
     for s in (remote, parallel):
         assert not (s.warehouse / "data").exists() and not (s.warehouse / "landing").exists()
+    assert parallel.catalog_kind == "postgres" and not (parallel.warehouse / "catalog.sqlite").exists()
     paths = [p for (p,) in query(parallel, "SELECT landed_path FROM raw_inputs")]
     assert paths and all(p.startswith(f"s3://{bucket}/lake/landing/sha256/") for p in paths)
 
