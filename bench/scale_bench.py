@@ -101,24 +101,32 @@ def _run(settings, units: list[dict], workers: int, run_id: str, env: dict) -> d
                         "commit_seconds"), row))}
 
 
+def _on_s3(tmp: Path, pg, db: str, landing: str):
+    """Settings of a new warehouse with its catalog in a new PostgreSQL database ``db`` and its
+    data files on S3, sharing ``landing``."""
+    import psycopg
+
+    from pipeline.config import Settings
+
+    with psycopg.connect(pg.catalog.split(":", 1)[1], autocommit=True) as c:
+        c.execute(f"CREATE DATABASE {db}")
+    return Settings.from_env(warehouse=tmp / db, catalog=pg.catalog.replace("dbname=featurehouse", f"dbname={db}"),
+                             data_path=f"s3://bench/{db}/", landing=landing)
+
+
 def _vs_local(pairs: int, tmp: Path, pg, landing: str, exports: list, export_mb: float, env: dict) -> dict:
     """The export batches loaded by one worker on PostgreSQL + S3 and on local disk (SQLite
     catalog, data and landing in the warehouse folder), in turn, ``pairs`` times: S3's
     throughput as a share of local disk's, pair by pair (the same rows, the same code)."""
-    import psycopg
+    import statistics
 
     from pipeline.config import Settings
     from pipeline.sources.plan import ingest_units
 
-    dsn = pg.catalog.split(":", 1)[1]
     unit = [{"window": "exports", "model": MODEL, "source": SOURCE, "via": "exports"}]
     shares, runs = [], []
     for i in range(pairs):
-        db = f"bench_vs_{i}"
-        with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute(f"CREATE DATABASE {db}")
-        s3 = Settings.from_env(warehouse=tmp / db, catalog=pg.catalog.replace("dbname=featurehouse", f"dbname={db}"),
-                               data_path=f"s3://bench/{db}/", landing=landing)
+        s3 = _on_s3(tmp, pg, f"bench_vs_{i}", landing)
         on_s3 = _run(s3, ingest_units(unit, s3), 1, f"bench-vs-s3-{i}", env)
         local = Settings.from_env(warehouse=tmp / f"local_{i}")
         _land(local, "exports", exports)  # its own landing area, on disk (not timed)
@@ -128,7 +136,7 @@ def _vs_local(pairs: int, tmp: Path, pg, landing: str, exports: list, export_mb:
         runs.append({"s3_seconds": on_s3["load_seconds"], "local_seconds": on_disk["load_seconds"],
                      "s3_mb_per_second": round(export_mb / on_s3["load_seconds"], 2),
                      "local_mb_per_second": round(export_mb / on_disk["load_seconds"], 2), "share": round(share, 3)})
-    return {"pairs": runs, "s3_share_of_local_median": sorted(shares)[len(shares) // 2], "shares": sorted(shares),
+    return {"pairs": runs, "s3_share_of_local_median": round(statistics.median(shares), 3), "shares": sorted(shares),
             "goal": "S3 export throughput >= 50% of local disk's"}
 
 
@@ -149,7 +157,6 @@ def main() -> None:
 
     import boto3
     import orjson
-    import psycopg
 
     from bench.generate import synthetic_pages
     from pipeline.config import Settings
@@ -173,7 +180,6 @@ def main() -> None:
         bodies = [(f"{MODEL}/{SOURCE}/{p['index']}", orjson.dumps(p), "feature") for p in pages]
         mb = sum(len(b) for _, b, _ in bodies) / 1e6
         with postgres_cluster() as pg:
-            dsn = pg.catalog.split(":", 1)[1]
             landing = "s3://bench/landing"
             base = Settings.from_env(warehouse=tmp / "wh", landing=landing)
             results["land_pages_seconds"] = round(_land(base, "pages", bodies), 2)
@@ -187,12 +193,7 @@ def main() -> None:
                 results["land_exports_seconds"] = round(_land(base, "exports", exports), 2)
             for w in counts:
                 for what in (*(() if args.no_pages else ("pages",)), *(("exports",) if exports else ())):
-                    db = f"bench_{what}_{w}"
-                    with psycopg.connect(dsn, autocommit=True) as c:
-                        c.execute(f"CREATE DATABASE {db}")
-                    s = Settings.from_env(warehouse=tmp / db, catalog=pg.catalog.replace("dbname=featurehouse",
-                                                                                        f"dbname={db}"),
-                                          data_path=f"s3://bench/{db}/", landing=landing)
+                    s = _on_s3(tmp, pg, f"bench_{what}_{w}", landing)
                     units = ingest_units(chunks if what == "pages" else
                                          [{"window": "exports", "model": MODEL, "source": SOURCE, "via": "exports"}], s)
                     r = _run(s, units, w, f"bench-{what}-{w}", env)
