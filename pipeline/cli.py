@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import datetime
 import decimal
+import gc
 import json
 import logging
 import math
@@ -891,7 +892,14 @@ def fetch_exports_cmd(span, exports_url, model, source, warehouse, window, concu
 
 
 def main() -> None:
-    cli(prog_name="featurehouse")
+    try:
+        cli(prog_name="featurehouse")
+    finally:
+        # The command is done and has closed what it opened; what is left is the interpreter's
+        # teardown, whose garbage collections walk every object of the libraries loaded (pandas,
+        # pyarrow, Great Expectations): 0.20 s of a 1.4 s unchanged re-run, measured (0.05 s
+        # frozen). Frozen objects are never walked again; memory goes back with the process.
+        gc.freeze()
 
 
 if __name__ == "__main__":

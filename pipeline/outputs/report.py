@@ -371,8 +371,10 @@ _FONT = "Inter, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 _DS_COLORS = {"Chat": "#4c78a8", "Non-Chat": "#f58518", "(none)": "#9d9d9d"}
 
 
+@functools.lru_cache(maxsize=1)
 def _alt():
-    import altair as alt  # heavy: only when a report is drawn
+    with validate.heavy_imports():  # only when a report is drawn
+        import altair as alt
 
     return alt
 
