@@ -46,6 +46,7 @@ from .stages.load import (
     claim_captures,
     forget_decided,
     insert_rows,
+    insert_values,
     prestats,
     prewrite,
     record_captures,
@@ -198,8 +199,8 @@ class _Run:
             ).fetchall()
             # A retried run (same run id, e.g. an Airflow retry) skips what its earlier attempt saw.
             self.seen_this_run: set[str] = {
-                sha for (sha,) in conn.execute(
-                    "SELECT DISTINCT input_sha256 FROM run_inputs WHERE run_id = ?", [summary.run_id]
+                sha for (sha,) in warehouse.execute(
+                    conn, "SELECT DISTINCT input_sha256 FROM run_inputs WHERE run_id = ?", [summary.run_id]
                 ).fetchall()
             }
         self.landed_before = {sha for sha, _ in rows}
@@ -409,7 +410,7 @@ class _Run:
 
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, float]:
             retime(conn, batch.retimes)
-            insert_rows(conn, "run_inputs", batch.run_inputs)
+            insert_values(conn, "run_inputs", batch.run_inputs)
             counts = {c: getattr(s, c) for c in COUNTERS} | s.sync_commit_stats()
             write_counts(conn, s, counts)  # a part adds its own; never overwrites the other parts'
             return counts
@@ -486,7 +487,7 @@ class _Run:
             insert_rows(conn, "quarantine", quarantine)
             insert_rows(conn, "validation_results", results)
             self._record_inputs(conn, batch, loaded, now)
-            insert_rows(conn, "run_inputs", run_inputs)
+            insert_values(conn, "run_inputs", run_inputs)
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
                       "n_expectations": len(results), "n_expectations_failed": sum(not r["success"] for r in results)}

@@ -7,11 +7,14 @@ import json
 import re
 import subprocess
 import sys
+from datetime import date, datetime, timezone
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from pipeline import Settings, ingest
+from pipeline.lake import warehouse
 from pipeline.outputs.report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +31,7 @@ from pipeline import Settings
 from pipeline import ingest
 s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False)
 print(json.dumps({"gx": "great_expectations" in sys.modules, "loaded": s.n_loaded,
-                  "drew": "vl_convert" in sys.modules,
+                  "drew": "vl_convert" in sys.modules, "pandas": "pandas" in sys.modules,
                   "report": s.report_path, "status": s.status}))
 """
 
@@ -46,6 +49,8 @@ def test_an_unchanged_rerun_does_not_import_great_expectations(tmp_path):
     again = _ingest_child(FIXTURES, wh)
     assert again["status"] == "succeeded" and again["loaded"] == 0
     assert not again["gx"], "a re-run with nothing to validate imported Great Expectations (seconds)"
+    # nor pandas (0.3-0.45 s), which DuckDB's client imports to bind any parameter, pyarrow's pa.array too
+    assert not again["pandas"], "a re-run that loads nothing imported pandas: a statement bound a parameter"
     page = Path(again["report"]).read_text()
     assert '<div class="verdict PASS"' in page
     # the short form: nothing drawn (V8's start alone is ~0.4 s), the statistics are the first run's
@@ -201,3 +206,38 @@ def test_data_docs_pages_are_built_with_their_batch_and_not_again(tmp_path, monk
     pages[0].unlink()  # a page gone (or stored by an older release) is built by the report
     write_report(settings, summary.run_id)
     assert pages[0].exists()
+
+
+_HOSTILE = ["it's", "a?b", "$x", "-- not a comment", "/* nor this */", "line\nbreak", "ünïcødé 漢字",
+            "back\\slash", "''", '"quoted"', "", "?", "$$", 0, -2**62, 2**62, 1.5, -0.0, float("inf"),
+            float("-inf"), True, False, None, datetime(2026, 12, 2, 1, 2, 3, 456789),
+            datetime(2026, 12, 2, 1, 2, 3, tzinfo=timezone.utc), date(2026, 1, 31), ["a'b", "?", "$x"], [1, 2], []]
+
+
+@pytest.mark.parametrize("value", _HOSTILE, ids=lambda v: repr(v)[:24])
+def test_values_written_into_sql_read_as_duckdb_binds_them(value):
+    """The run that loads nothing writes its values into its SQL (warehouse.bind) instead of
+    binding them: each value reads back exactly as DuckDB's own binding gives it, with the
+    placeholders' marks inside quoted strings, quoted names and comments left alone."""
+    conn = duckdb.connect()
+    sql = """SELECT ? AS v, '?' AS q, '$x' AS d, "$x" AS i, typeof(?) AS t
+             FROM (SELECT 1 AS "$x") -- ? $x in a comment
+             WHERE ? IS NOT DISTINCT FROM ? /* ? */"""
+    written = conn.execute(warehouse.bind(sql, [value] * 4)).fetchall()
+    bound = conn.execute(sql, [value] * 4).fetchall()
+    assert written == bound
+    named = conn.execute(warehouse.bind("SELECT $v = $v, '$v'", {"v": value})).fetchall()
+    assert named == conn.execute("SELECT $v = $v, '$v'", {"v": value}).fetchall()
+
+
+def test_writing_values_into_sql_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="fewer values"):
+        warehouse.bind("SELECT ?, ?", [1])
+    with pytest.raises(ValueError, match="more values"):
+        warehouse.bind("SELECT ?", [1, 2])
+    with pytest.raises(KeyError):
+        warehouse.bind("SELECT $a, $b", {"a": 1})
+    with pytest.raises(ValueError, match="NUL"):
+        warehouse.literal("a\0b")
+    with pytest.raises(TypeError):
+        warehouse.literal(object())

@@ -89,7 +89,7 @@ def process_gone(pid: int, started_at: datetime) -> bool:
 
 def find_abandoned(conn: duckdb.DuckDBPyConnection) -> dict[str, str]:
     """The ``running`` runs of this host whose process is gone: run id → why, in words. Reads only."""
-    rows = conn.execute(
+    rows = warehouse.execute(conn, 
         "SELECT run_id, pid, started_at FROM runs WHERE status = 'running' AND host = ? AND pid IS NOT NULL",
         [this_host()],
     ).fetchall()
@@ -118,7 +118,7 @@ def mark_abandoned(conn: duckdb.DuckDBPyConnection, settings: Settings, *, by: s
     found = find_abandoned(conn)
     if not found:
         return []
-    rows = conn.execute(
+    rows = warehouse.execute(conn, 
         "SELECT run_id, pid FROM runs WHERE list_contains($ids, run_id)", {"ids": list(found)}
     ).fetchall()
 
@@ -126,7 +126,7 @@ def mark_abandoned(conn: duckdb.DuckDBPyConnection, settings: Settings, *, by: s
         marked = []
         for run_id, pid in rows:
             # only if still the same process's run: a retry of the run id may have taken it over
-            hit = c.execute(
+            hit = warehouse.execute(c, 
                 "UPDATE runs SET status = $abandoned, error = coalesce(error, $why) "
                 "WHERE run_id = $run_id AND status = 'running' AND host = $host AND pid = $pid",
                 {"abandoned": ABANDONED, "why": f"{found[run_id]} (found by run {by})", "run_id": run_id,
@@ -229,11 +229,11 @@ def write_counts(conn: duckdb.DuckDBPyConnection, summary: RunSummary, counts: d
     write (parts commit one at a time under the commit lock, so the sums are exact); a whole
     run stores its totals."""
     if summary.part is None:
-        conn.execute("UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
+        warehouse.execute(conn, "UPDATE runs SET " + ", ".join(f"{c} = ${c}" for c in counts) + " WHERE run_id = $run_id",
                      counts | {"run_id": summary.run_id})
         return
     add = {c: v - summary.written.get(c, 0) for c, v in counts.items()}
-    conn.execute("UPDATE runs SET " + ", ".join(f"{c} = coalesce({c}, 0) + ${c}" for c in add)
+    warehouse.execute(conn, "UPDATE runs SET " + ", ".join(f"{c} = coalesce({c}, 0) + ${c}" for c in add)
                  + " WHERE run_id = $run_id", add | {"run_id": summary.run_id})
 
 
@@ -247,21 +247,21 @@ def start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunS
     owner = {"host": this_host(), "pid": os.getpid()} if summary.part is None else {"host": None, "pid": None}
 
     def body(conn: duckdb.DuckDBPyConnection) -> None:
-        stored = conn.execute(f"SELECT {', '.join(COUNTERS + _COMMIT_FIELDS)} FROM runs WHERE run_id = ?",
+        stored = warehouse.execute(conn, f"SELECT {', '.join(COUNTERS + _COMMIT_FIELDS)} FROM runs WHERE run_id = ?",
                               [summary.run_id]).fetchone()
         if stored and summary.part is not None:
-            conn.execute("UPDATE runs SET status = 'running', error = NULL WHERE run_id = ? AND status = 'failed' "
+            warehouse.execute(conn, "UPDATE runs SET status = 'running', error = NULL WHERE run_id = ? AND status = 'failed' "
                          "AND starts_with(error, ?)", [summary.run_id, _part_tag(summary.part)])
         elif stored:  # a retry of the same run: carry on from what its earlier attempts counted
             for name, value in zip(COUNTERS, stored):
                 setattr(summary, name, value or 0)
             st = summary.stats
             st.commits, st.retries, st.lock_wait_seconds, st.commit_seconds = (v or 0 for v in stored[len(COUNTERS):])
-            conn.execute("UPDATE runs SET status = 'running', started_at = $at, finished_at = NULL, error = NULL, "
+            warehouse.execute(conn, "UPDATE runs SET status = 'running', started_at = $at, finished_at = NULL, error = NULL, "
                          "host = $host, pid = $pid WHERE run_id = $run_id",
                          {"at": utcnow(), "run_id": summary.run_id} | owner)
         else:
-            conn.execute("INSERT INTO runs (run_id, started_at, status, trigger, host, pid) "
+            warehouse.execute(conn, "INSERT INTO runs (run_id, started_at, status, trigger, host, pid) "
                          "VALUES ($run_id, $at, 'running', $trigger, $host, $pid)",
                          {"run_id": summary.run_id, "at": utcnow(), "trigger": trigger} | owner)
 
@@ -269,7 +269,7 @@ def start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunS
         # A part of a run whose row is there, not failed by this part: nothing to write, so no
         # commit (and no turn of the commit lock: one for every unit of a night). Decided again
         # inside the commit when there is something to write.
-        row = conn.execute("SELECT status, error FROM runs WHERE run_id = ?", [summary.run_id]).fetchone()
+        row = warehouse.execute(conn, "SELECT status, error FROM runs WHERE run_id = ?", [summary.run_id]).fetchone()
         if row is not None and not (row[0] == "failed" and (row[1] or "").startswith(_part_tag(summary.part))):
             return
     warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} started",
@@ -286,13 +286,13 @@ def finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
         counts = {k: getattr(summary, k) for k in COUNTERS} | summary.sync_commit_stats()
         write_counts(c, summary, counts)
         if error is not None:  # the run fails with its part; the part's retry clears it (_start_run)
-            c.execute("UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
+            warehouse.execute(c, "UPDATE runs SET status = 'failed', error = ? WHERE run_id = ?",
                       [_part_tag(summary.part) + error, summary.run_id])
         return counts
 
     def body(c: duckdb.DuckDBPyConnection) -> None:
         stats = summary.sync_commit_stats()
-        c.execute("UPDATE runs SET status = $status, finished_at = $at, error = $error, "
+        warehouse.execute(c, "UPDATE runs SET status = $status, finished_at = $at, error = $error, "
                   + ", ".join(f"{k} = ${k}" for k in stats) + " WHERE run_id = $run_id",
                   {"status": summary.status, "at": utcnow(), "error": error, "run_id": summary.run_id} | stats)
 
@@ -311,12 +311,12 @@ def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: st
     """Close a run loaded in parts: ``succeeded`` unless a part failed (its error stays) or
     ``failed_parts`` (known to the scheduler) is above 0. Returns the status."""
     def body(c: duckdb.DuckDBPyConnection) -> str:
-        row = c.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
+        row = warehouse.execute(c, "SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:  # no part had anything to load
-            c.execute("INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', 'airflow')",
+            warehouse.execute(c, "INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', 'airflow')",
                       [run_id, utcnow()])
         status = "failed" if (row and row[0] == "failed") or failed_parts else "succeeded"
-        c.execute("UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?) WHERE run_id = ?",
+        warehouse.execute(c, "UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?) WHERE run_id = ?",
                   [status, utcnow(), f"{failed_parts} ingest part(s) failed" if failed_parts else None, run_id])
         return status
 
@@ -327,6 +327,6 @@ def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: st
 def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path) -> None:
     """Record where a run's HTML report was written (``runs.report_path``)."""
     warehouse.transaction(
-        conn, settings, lambda c: c.execute("UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id]),
+        conn, settings, lambda c: warehouse.execute(c, "UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id]),
         message=f"run {run_id} report", extra={"run_id": run_id},
     )

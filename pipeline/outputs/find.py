@@ -171,20 +171,6 @@ def parse_key(key: str) -> tuple[str, str, int]:
     return "/".join(parts[:-2]), parts[-2], int(parts[-1])
 
 
-def _literal(v: Any) -> str:
-    """A value as an SQL literal. The queries inline their values: DuckDB's Python binding of
-    a parameter imports pandas (0.5 s, half the CLI's budget) the first time."""
-    if v is None:
-        return "NULL"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(int(v))
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_literal(x) for x in v) + "]"
-    return "'" + str(v).replace("'", "''") + "'"
-
-
 # --- where the index lives, and the lake's version ----------------------------------------------
 
 
@@ -201,7 +187,7 @@ def _connect_index(path: Path, *, read_only: bool) -> duckdb.DuckDBPyConnection:
     conn = duckdb.connect(config={"autoinstall_known_extensions": False, "allow_unsigned_extensions": True})
     try:
         warehouse_mod.load_extension(conn, "fts")
-        conn.execute(f"ATTACH {_literal(str(path))} AS idx{' (READ_ONLY)' if read_only else ''}")
+        conn.execute(f"ATTACH {warehouse_mod.literal(str(path))} AS idx{' (READ_ONLY)' if read_only else ''}")
         conn.execute("USE idx")
     except BaseException:
         conn.close()
@@ -260,7 +246,7 @@ def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = N
     """The warehouse's latest snapshot, identity and fingerprint, and how many snapshots after
     ``snapshot_id`` changed a table the index reads; read from the catalog's own tables, never
     through DuckLake (whose extension costs a query a second to load)."""
-    names = ", ".join(_literal(t) for t in _FIND_TABLES)
+    names = ", ".join(warehouse_mod.literal(t) for t in _FIND_TABLES)
     sql = {
         "ids": f"SELECT table_id FROM {{c}}ducklake_table WHERE table_name IN ({names})",
         "latest": "SELECT max(snapshot_id) FROM {c}ducklake_snapshot",
@@ -291,7 +277,7 @@ def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = N
     elif settings.catalog_kind == "sqlite":
         with duckdb.connect(config={"autoinstall_known_extensions": False, "allow_unsigned_extensions": True}) as db:
             warehouse_mod.load_extension(db, "sqlite_scanner")
-            db.execute(f"ATTACH {_literal(str(path))} AS cat (TYPE sqlite, READ_ONLY)")
+            db.execute(f"ATTACH {warehouse_mod.literal(str(path))} AS cat (TYPE sqlite, READ_ONLY)")
             got = {k: db.execute(q.format(c="cat.")).fetchall() for k, q in sql.items()}
     else:
         with warehouse_mod.connect(settings, read_only=True) as lake:
@@ -468,7 +454,7 @@ def _snapshot(lake: duckdb.DuckDBPyConnection) -> int:
 
 def _snapshot_time(lake: duckdb.DuckDBPyConnection, snapshot_id: int) -> str | None:
     """When the snapshot was committed, as :func:`lake_state` reports it (see :func:`_utc`)."""
-    got = lake.execute(f"SELECT CAST(snapshot_time AS VARCHAR) FROM ducklake_snapshots({_literal(warehouse_mod.CATALOG)}) "
+    got = lake.execute(f"SELECT CAST(snapshot_time AS VARCHAR) FROM ducklake_snapshots({warehouse_mod.literal(warehouse_mod.CATALOG)}) "
                        f"WHERE snapshot_id = {int(snapshot_id)}").fetchone()
     return _utc(got[0]) if got else None
 
@@ -599,7 +585,7 @@ DROP TABLE fts_gone; DROP TABLE fts_new_docs; DROP TABLE fts_new_terms;
 
 def _meta(idx: duckdb.DuckDBPyConnection, **values: Any) -> None:
     for k, v in values.items():
-        idx.execute(f"INSERT OR REPLACE INTO meta VALUES ({_literal(k)}, {_literal(None if v is None else str(v))})")
+        idx.execute(f"INSERT OR REPLACE INTO meta VALUES ({warehouse_mod.literal(k)}, {warehouse_mod.literal(None if v is None else str(v))})")
 
 
 def _read_meta(idx: duckdb.DuckDBPyConnection) -> dict[str, str]:
@@ -792,11 +778,6 @@ def index_info(where: Settings | str | os.PathLike) -> dict[str, Any]:
 # --- reading ------------------------------------------------------------------------------------
 
 
-def _bind(sql: str, params: dict[str, Any]) -> str:
-    return re.sub(r"\$([a-z_][a-z0-9_]*)", lambda m: _literal(params[m.group(1)]) if m.group(1) in params
-                  else m.group(0), sql)
-
-
 class Finder:
     """The find index opened for queries. Keep one for many queries (a notebook, a service):
     the embedding matrices stay mapped and the feature keys loaded.
@@ -959,7 +940,7 @@ class Finder:
             ORDER BY matched.score DESC, model_id, source_id, feature_index, explanation_id
             LIMIT $limit"""
         params.update(q=words, limit=int(limit))
-        return self._found(self.conn.execute(_bind(sql, params)))
+        return self._found(self.conn.execute(warehouse_mod.bind(sql, params)))
 
     def _narrow(self, model: str | None, source: str | None, alias: str = "f") -> tuple[str, dict]:
         where, params = "", {}
@@ -995,7 +976,7 @@ class Finder:
 
     def _fid(self, key: str) -> int:
         model, source, index = parse_key(key)
-        found = self.conn.execute(_bind("SELECT fid FROM features WHERE model_id = $m AND source_id = $s "
+        found = self.conn.execute(warehouse_mod.bind("SELECT fid FROM features WHERE model_id = $m AND source_id = $s "
                                         "AND feature_index = $i", {"m": model, "s": source, "i": index})).fetchone()
         if not found:
             raise NoSuchFeature(f"{model}/{source}/{index} is not in the find index (no explanation and no "
@@ -1055,7 +1036,7 @@ class Finder:
         import numpy as np
 
         where, params = self._narrow(model, source)
-        got = self.conn.execute(_bind(f"SELECT fid FROM features AS f WHERE true {where}", params)).fetchnumpy()["fid"]
+        got = self.conn.execute(warehouse_mod.bind(f"SELECT fid FROM features AS f WHERE true {where}", params)).fetchnumpy()["fid"]
         allowed = np.zeros(n_fids, dtype=bool)
         allowed[got.astype(np.int64)] = True
         return allowed
@@ -1081,7 +1062,7 @@ class Finder:
     def _similar_by_tokens(self, fid: int, model: str | None, source: str | None, limit: int) -> Found:
         where, params = self._narrow(model, source)
         params.update(fid=fid, limit=int(limit))
-        got = self.conn.execute(_bind(f"""
+        got = self.conn.execute(warehouse_mod.bind(f"""
             WITH mine AS (SELECT token FROM basis_tokens WHERE fid = $fid),
             n_mine AS (SELECT count(*) AS n FROM mine),
             shared AS (SELECT b.fid, count(*) AS n_shared FROM basis_tokens AS b SEMI JOIN mine USING (token)
@@ -1111,7 +1092,7 @@ class Finder:
             where += " AND t.data_source IS NOT DISTINCT FROM $ds"
             params["ds"] = None if data_source.lower() in ("null", "(null)") else data_source
         params.update(tok=wanted, limit=int(limit))
-        return self._found(self.conn.execute(_bind(f"""
+        return self._found(self.conn.execute(warehouse_mod.bind(f"""
             SELECT f.model_id, f.source_id, f.feature_index,
                    max(t.max_activation) AS max_activation_on_token,
                    sum(t.n_peak_excerpts) AS n_peak_excerpts,

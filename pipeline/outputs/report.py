@@ -119,7 +119,7 @@ def verdict(run: dict[str, Any]) -> Verdict:
 # --- reading the warehouse ----------------------------------------------------------------------
 
 def _rows(conn: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
-    cur = conn.execute(sql, params or [])
+    cur = warehouse_mod.execute(conn, sql, params)  # values written in: the short form needs no pandas
     cols = [d[0] for d in cur.description]
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
@@ -292,7 +292,8 @@ def _gather_run(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[st
         q["fields"] = _key_fields(q.pop("record_json"))
         g["records"].append(q)
     ctx["quarantine_groups"] = sorted(qgroups.values(), key=lambda g: (-g["n"], g["check"]))
-    ctx["n_quarantine_rows"] = conn.execute("SELECT count(*) FROM quarantine WHERE run_id = ?", [run_id]).fetchone()[0]
+    ctx["n_quarantine_rows"] = warehouse_mod.execute(
+        conn, "SELECT count(*) FROM quarantine WHERE run_id = ?", [run_id]).fetchone()[0]
     return ctx
 
 

@@ -38,7 +38,7 @@ from datetime import datetime
 import duckdb
 import pyarrow as pa
 
-from ..lake.warehouse import CATALOG, data_path, one_snapshot, utcnow
+from ..lake.warehouse import CATALOG, bind, data_path, literal, one_snapshot, utcnow
 from .materialise import compute_changed, excerpt_from
 from .records import ARROW_SCHEMAS
 
@@ -211,12 +211,9 @@ def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) ->
     """
     if not again:
         return {}
-    conn.register("_again", pa.table({"input_sha256": pa.array(list(again), pa.string()),
-                                      "captured_at": pa.array(list(again.values()), pa.timestamp("us"))}))
-    try:
-        conn.execute("CREATE OR REPLACE TEMP TABLE again AS SELECT * FROM _again")
-    finally:
-        conn.unregister("_again")
+    # As literal VALUES, not Arrow: an unchanged re-run needs no pandas (see ``insert_values``).
+    conn.execute("CREATE OR REPLACE TEMP TABLE again (input_sha256 VARCHAR, captured_at TIMESTAMP)")
+    insert_values(conn, "again", [{"input_sha256": sha, "captured_at": at} for sha, at in again.items()])
     # Most bytes seen again (an unchanged re-run) are not newer than what is recorded: settled
     # from raw_inputs alone, so the claims and the tables' rows are looked at only for the rest.
     first = dict(conn.execute(f"""
@@ -228,7 +225,7 @@ def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) ->
     newer = [sha for sha, decision in first.items() if decision is None]
     if not newer:
         return first
-    conn.execute("DELETE FROM again WHERE NOT list_contains($newer, input_sha256)", {"newer": newer})
+    conn.execute(bind("DELETE FROM again WHERE NOT list_contains($newer, input_sha256)", {"newer": newer}))
     rows = conn.execute(f"""
         WITH claims AS (
             SELECT c.input_sha256,
@@ -337,16 +334,12 @@ def _table_folders(conn: duckdb.DuckDBPyConnection, tables: list[str]) -> dict[s
     return folders
 
 
-def _sql_text(v: str) -> str:
-    return "'" + v.replace("'", "''") + "'"
-
-
 def _rows_sql(conn: duckdb.DuckDBPyConnection, table: str, now: datetime, run_id: str) -> str:
     """The batch's incoming rows of ``table`` with exactly the table's columns and types, in its
     order (a file DuckLake adds must have them)."""
     staged = {f.name for f in ARROW_SCHEMAS[table]} | {"input_sha256"}
-    meta = {"captured_at": "i.captured_at_", "loaded_at": f"TIMESTAMP {_sql_text(now.isoformat(sep=' '))}",
-            "run_id": _sql_text(run_id)}
+    meta = {"captured_at": "i.captured_at_", "loaded_at": literal(now),
+            "run_id": literal(run_id)}
     cols = []
     for name, sql_type, *_ in conn.execute(f"DESCRIBE {table}").fetchall():
         expr = f's."{name}"' if name in staged else meta.get(name, "NULL")
@@ -378,7 +371,7 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
             if "://" not in folder:
                 os.makedirs(folder, exist_ok=True)  # DuckLake makes a table's folder at its first write
             path = f"{folder}featurehouse-{uuid.uuid4()}.parquet"
-            conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {_sql_text(path)} "
+            conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {literal(path)} "
                          f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE}, COMPRESSION zstd)")
             plan.files[table] = path
     return plan
@@ -522,6 +515,20 @@ def forget_decided(conn: duckdb.DuckDBPyConnection) -> None:
     a retry against the same snapshot uses them.)"""
     for table in REFERENCE_KEYS:
         conn.execute(f"DROP TABLE IF EXISTS temp.main.new_{table}")
+
+
+def insert_values(conn: duckdb.DuckDBPyConnection, table: str, rows: list[dict], chunk: int = 2000) -> int:
+    """Append small rows of a few short scalar columns (``run_inputs``) as literal ``VALUES``,
+    by the first row's column names: without Arrow, whose ``pa.array`` imports pandas, which a
+    run that loads nothing never needs otherwise (see ``bind``)."""
+    if not rows:
+        return 0
+    cols = list(rows[0])
+    head = f"INSERT INTO {table} ({', '.join(cols)}) VALUES "
+    for i in range(0, len(rows), chunk):
+        conn.execute(head + ", ".join(
+            "(" + ", ".join(literal(r[c]) for c in cols) + ")" for r in rows[i:i + chunk]))
+    return len(rows)
 
 
 def insert_rows(conn: duckdb.DuckDBPyConnection, table: str, rows: list[dict]) -> int:
