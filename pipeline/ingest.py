@@ -794,7 +794,9 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
         )
 
         with summary.timed("report"):
-            path = report.write_report(conn, summary.run_id, settings=settings)
+            # the Data Docs index is left to `featurehouse report` and the nightly report: it is
+            # rebuilt from every result stored, a cost that grows with every run
+            path = report.write_report(conn, summary.run_id, settings=settings, data_docs_index=False)
         summary.report_path = str(path)
         runstate.record_report(conn, settings, summary.run_id, path)
     except Exception as exc:

@@ -208,6 +208,28 @@ def test_data_docs_pages_are_built_with_their_batch_and_not_again(tmp_path, monk
     assert pages[0].exists()
 
 
+def test_a_runs_own_report_leaves_the_data_docs_index_to_the_report_command(tmp_path):
+    """Great Expectations rebuilds the Data Docs index from every result ever stored (~5 ms
+    each): the report ``ingest`` writes builds and links the run's own pages and leaves an
+    existing index as it is, so its cost does not grow with every run; ``write_report`` (the
+    ``featurehouse report`` command, the nightly report task) refreshes it."""
+    from bench.generate import write_pages
+
+    settings = _settings(tmp_path)
+    write_pages(1, tmp_path / "a", start=960)
+    first = ingest([tmp_path / "a"], settings, progress=False)
+    index = settings.gx_dir / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
+    built = index.read_text()  # the first run built it: the site had none
+    assert first.run_id in built
+    write_pages(1, tmp_path / "b", start=961)
+    second = ingest([tmp_path / "b"], settings, progress=False)
+    page = Path(second.report_path).read_text()
+    assert len(re.findall(r'href="[^"]*/' + re.escape(second.run_id) + r'/[^"]*batch-0001-\w+\.html"', page)) == 3
+    assert index.read_text() == built  # not rebuilt
+    write_report(settings, second.run_id)
+    assert second.run_id in index.read_text()
+
+
 _HOSTILE = ["it's", "a?b", "$x", "-- not a comment", "/* nor this */", "line\nbreak", "ünïcødé 漢字",
             "back\\slash", "''", '"quoted"', "", "?", "$$", 0, -2**62, 2**62, 1.5, -0.0, float("inf"),
             float("-inf"), True, False, None, datetime(2026, 12, 2, 1, 2, 3, 456789),

@@ -730,6 +730,8 @@ def write_report(
     run_id: str | None = None,
     out_dir: Path | None = None,
     settings: Settings | None = None,
+    *,
+    data_docs_index: bool = True,
 ) -> Path:
     """Write the HTML report of one run (default: the latest) and refresh the runs index.
 
@@ -738,7 +740,9 @@ def write_report(
     ``<out_dir>/index.html``; ``out_dir`` defaults to ``settings.report_dir`` (``reports/`` in
     the warehouse folder). Builds the run's Great Expectations Data Docs under
     ``<warehouse>/gx/`` and links them. Returns the report's path (``ingest`` records it in
-    ``runs.report_path``).
+    ``runs.report_path``). ``data_docs_index=False`` (``ingest``'s own report) leaves the Data
+    Docs site's index as it is when it has one: Great Expectations rebuilds it from every
+    result ever stored (see ``validate.build_data_docs``).
 
     Raises ``NoRuns`` or ``RunNotFound`` when there is no run to report, and
     ``warehouse.WarehouseMissing`` when the warehouse does not exist, and
@@ -754,13 +758,13 @@ def write_report(
         conn, own = warehouse_mod.connect(settings, read_only=True), True
     try:
         out_dir = Path(out_dir) if out_dir is not None else settings.report_dir
-        return _write(conn, run_id, out_dir, settings)
+        return _write(conn, run_id, out_dir, settings, data_docs_index)
     finally:
         if own:
             conn.close()
 
 
-def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
+def _write(conn, run_id, out_dir: Path, settings: Settings, data_docs_index: bool = True) -> Path:
     started = time.monotonic()
     run = _run_row(conn, run_id)
     run_id = check_run_id(run["run_id"])  # the latest run, too, may predate the check
@@ -770,7 +774,7 @@ def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
     else:
         ctx = _gather(conn, run)
         ctx["charts"] = _charts(ctx, out_dir / ".charts")
-        ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir)
+        ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir, data_docs_index)
     ctx["warehouse"] = str(settings.warehouse)
     ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     from .. import __version__
@@ -783,12 +787,12 @@ def _write(conn, run_id, out_dir: Path, settings: Settings) -> Path:
     return path
 
 
-def _data_docs(gx_project: Path, run_id: str, out_dir: Path) -> dict[str, Any] | None:
+def _data_docs(gx_project: Path, run_id: str, out_dir: Path, index: bool = True) -> dict[str, Any] | None:
     """Build Great Expectations' Data Docs for the run; links relative to the report."""
     if not (gx_project / "gx").exists():
         return None
     try:
-        pages = validate.build_data_docs(gx_project, run_id)
+        pages = validate.build_data_docs(gx_project, run_id, index=index)
     except Exception as exc:
         if disk_full(exc):
             log.error("could not build Great Expectations Data Docs for run %s: the disk is full", run_id)
