@@ -275,6 +275,25 @@ def test_a_file_name_that_is_not_utf8_is_kept_by_its_bytes(tmp_path, not_racy):
     d.close()
 
 
+def test_a_run_with_a_file_name_that_is_not_utf8_loads_it(tmp_path):
+    """Found by the outside review: one such name failed the whole run (UnicodeEncodeError as
+    its origin went into raw_inputs). Its origin keeps the odd bytes as \\xNN."""
+    import os
+
+    from pipeline import Settings, ingest
+    from pipeline.lake import warehouse
+
+    (page,) = _pages(tmp_path / "in", n=1)
+    odd = os.path.join(os.fsencode(tmp_path / "in"), b"bad\xff\xfe name.json")
+    os.rename(page, odd)
+    settings = Settings.from_env(warehouse=tmp_path / "wh")
+    summary = ingest([tmp_path / "in"], settings, progress=False)
+    assert summary.status == "succeeded" and summary.n_loaded == 1
+    with warehouse.connect(settings, read_only=True) as conn:
+        (origin,) = conn.execute("SELECT origin FROM raw_inputs").fetchone()
+    assert origin.endswith("/bad\\xff\\xfe name.json")
+
+
 def test_a_file_written_through_a_memory_map_is_read_again(tmp_path, settings):
     """Found by the outside review: a write through a memory map moves a file's times only at
     the first write to a page until the kernel writes the page back, so a second write left its

@@ -263,3 +263,73 @@ def test_writing_values_into_sql_refuses_what_it_cannot_write():
         warehouse.literal("a\0b")
     with pytest.raises(TypeError):
         warehouse.literal(object())
+
+
+@pytest.mark.parametrize("value", [-1, -2**62, -2.5, -0.0, 3, 1.25])
+def test_a_negative_value_written_after_a_minus_is_not_a_comment(value):
+    """Found by the outside review: 10-$x with x = -1 was written 10--1, a comment."""
+    conn = duckdb.connect()
+    assert conn.execute(warehouse.bind("SELECT 10-?, [?] WHERE 1 = 1", [value, value])).fetchall() == \
+        conn.execute("SELECT 10-?, [?] WHERE 1 = 1", [value, value]).fetchall()
+    assert conn.execute(warehouse.bind("SELECT 10-$n WHERE 1 = 1", {"n": value})).fetchall() == \
+        conn.execute("SELECT 10-$n WHERE 1 = 1", {"n": value}).fetchall()
+
+
+def test_heavy_imports_in_two_threads_leave_the_collector_on():
+    """Found by the outside review: two threads' blocks overlapping (A in, B in, A out, B out)
+    left the collector off for good. It stays paused until the last block ends."""
+    import gc
+    import threading
+
+    from pipeline.stages.validate import heavy_imports
+
+    assert gc.isenabled()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with heavy_imports():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with heavy_imports():
+            b_in.set()
+            a_out.wait(5)
+            seen["paused after A left"] = not gc.isenabled()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(10)
+    assert seen == {"paused after A left": True}
+    assert gc.isenabled()
+    gc.disable()  # a collector the caller switched off stays off
+    try:
+        with heavy_imports():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_report_written_inside_a_callers_transaction_leaves_it_and_its_temp_tables(tmp_path):
+    """Found by the outside review: write_report(conn) inside a transaction the caller opened
+    raised and rolled the caller's work back; and a caller's temp table named as one of the
+    report's own was replaced, then dropped."""
+    settings = _settings(tmp_path)
+    ingest([FIXTURES], settings, progress=False)
+    with warehouse.connect(settings) as conn:
+        conn.execute("CREATE TEMP TABLE mine AS SELECT 1 AS x")
+        conn.execute("CREATE TEMP TABLE report_stats AS SELECT 'the caller''s' AS v")
+        conn.execute("BEGIN TRANSACTION")
+        conn.execute("INSERT INTO mine VALUES (2)")
+        write_report(conn, None, out_dir=tmp_path / "out", settings=settings)
+        conn.execute("INSERT INTO mine VALUES (3)")
+        conn.execute("COMMIT")
+        assert conn.execute("SELECT count(*) FROM mine").fetchone() == (3,)
+        assert conn.execute("SELECT v FROM report_stats").fetchall() == [("the caller's",)]
+        assert not conn.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE '_report_%'").fetchone()[0]

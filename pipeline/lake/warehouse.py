@@ -313,10 +313,12 @@ def literal(value: Any) -> str:
         value = value.item()  # a numpy scalar (an id read with fetchnumpy)
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int):
-        return str(int(value))
+    if isinstance(value, int):  # a negative one in parentheses: 10-$x is never 10--1, a comment
+        return f"({int(value)})" if value < 0 else str(int(value))
     if isinstance(value, float):
-        return f"{value!r}::DOUBLE" if math.isfinite(value) else f"'{value!r}'::DOUBLE"
+        if not math.isfinite(value):
+            return f"'{value!r}'::DOUBLE"
+        return f"({value!r}::DOUBLE)" if math.copysign(1.0, value) < 0 else f"{value!r}::DOUBLE"
     if isinstance(value, str):
         if "\0" in value:  # DuckDB's parser ends a string there
             raise ValueError("a NUL character cannot be written into an SQL string")
@@ -905,7 +907,12 @@ def one_snapshot(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
     one snapshot of it (the latest as the first of them reads), and DuckLake looks the snapshot
     up once instead of once a statement (a lake read in autocommit costs ~10 ms here, ~5 ms in a
     transaction). Temp tables and files written inside stay; nothing is committed to the lake.
-    Not for statements that change the lake: use ``transaction`` (the commit lock, retries)."""
+    Not for statements that change the lake: use ``transaction`` (the commit lock, retries).
+    Inside a transaction the caller opened, the statements run in it: it reads one snapshot
+    already, and it is the caller's to commit or roll back, never this block's."""
+    if _in_transaction(conn):
+        yield
+        return
     try:  # BEGIN and COMMIT inside: an interrupt (SIGTERM) at either rolls back too
         conn.execute("BEGIN TRANSACTION")
         yield
@@ -914,6 +921,14 @@ def one_snapshot(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
         with contextlib.suppress(duckdb.Error):
             conn.execute("ROLLBACK")
         raise
+
+
+def _in_transaction(conn: duckdb.DuckDBPyConnection) -> bool:
+    """Whether a transaction is open on ``conn``: in autocommit each statement is a transaction
+    of its own, with its own id. (Trying BEGIN would tell too, but its error aborts the open
+    transaction.)"""
+    first = conn.execute("SELECT current_transaction_id()").fetchone()[0]  # (txid_current() fails on a lake)
+    return conn.execute("SELECT current_transaction_id()").fetchone()[0] == first
 
 
 @dataclass

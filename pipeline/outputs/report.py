@@ -21,6 +21,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,37 +160,38 @@ def _key_fields(record_json: str | None) -> list[tuple[str, str]]:
 #: What the statistics section reads, copied once from the lake for the features in scope: its
 #: six queries read these temp tables, not the lake's tables again and again (each read of a
 #: lake table lists its files in the catalog and opens them: ~10-20 ms, and more files after
-#: many small runs). Dropped once the section is gathered.
+#: many small runs). Named apart for each report (a caller's own temp tables are never touched)
+#: and dropped once the section is gathered.
 _SCOPED = {
-    "report_stats": "SELECT * FROM feature_activation_stats SEMI JOIN report_scope USING (model_id, source_id, feature_index)",
-    "report_features": """SELECT model_id, source_id, feature_index, frac_nonzero
-                          FROM features SEMI JOIN report_scope USING (model_id, source_id, feature_index)""",
-    "report_explanations": """SELECT model_id, source_id, feature_index, string_agg(DISTINCT description, ' · ') AS explanation
-                              FROM explanations SEMI JOIN report_scope USING (model_id, source_id, feature_index)
-                              GROUP BY ALL""",
+    "stats": "SELECT * FROM feature_activation_stats SEMI JOIN {scope} USING (model_id, source_id, feature_index)",
+    "features": """SELECT model_id, source_id, feature_index, frac_nonzero
+                   FROM features SEMI JOIN {scope} USING (model_id, source_id, feature_index)""",
+    "explanations": """SELECT model_id, source_id, feature_index, string_agg(DISTINCT description, ' · ') AS explanation
+                       FROM explanations SEMI JOIN {scope} USING (model_id, source_id, feature_index)
+                       GROUP BY ALL""",
 }
 
 
-def _run_scope(conn: duckdb.DuckDBPyConnection, run_id: str) -> str:
-    """Fill the temp table ``report_scope`` with the features a report's statistics cover (and
-    the ``_SCOPED`` tables with what the section reads of them); returns a label for it.
+def _run_scope(conn: duckdb.DuckDBPyConnection, run_id: str, t: dict[str, str]) -> str:
+    """Fill the temp table ``t["scope"]`` with the features a report's statistics cover (and
+    ``t[...]`` of ``_SCOPED`` with what the section reads of them); returns a label for it.
 
     The features the run loaded; when it loaded none (it refused its inputs, or failed), the
     whole warehouse. (A run that changed nothing gets the short form, which reads neither.)
     """
     run_sql = f"""SELECT model_id, source_id, feature_index FROM features WHERE run_id = '{_q(run_id)}'
                   UNION SELECT model_id, source_id, feature_index FROM activations WHERE run_id = '{_q(run_id)}'"""
-    conn.execute(f"CREATE OR REPLACE TEMP TABLE report_scope AS {run_sql}")
-    (n,) = conn.execute("SELECT count(*) FROM report_scope").fetchone()
+    conn.execute(f"CREATE TEMP TABLE {t['scope']} AS {run_sql}")
+    (n,) = conn.execute(f"SELECT count(*) FROM {t['scope']}").fetchone()
     label = f"the {n:,} feature(s) this run loaded"
     if not n:
         all_sql = """SELECT model_id, source_id, feature_index FROM features
                      UNION SELECT model_id, source_id, feature_index FROM feature_activation_stats"""
-        conn.execute(f"CREATE OR REPLACE TEMP TABLE report_scope AS {all_sql}")
-        (n,) = conn.execute("SELECT count(*) FROM report_scope").fetchone()
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE {t['scope']} AS {all_sql}")
+        (n,) = conn.execute(f"SELECT count(*) FROM {t['scope']}").fetchone()
         label = f"this run loaded no features; showing the whole warehouse ({n:,} feature(s))"
     for name, sql in _SCOPED.items():
-        conn.execute(f"CREATE OR REPLACE TEMP TABLE {name} AS {sql}")
+        conn.execute(f"CREATE TEMP TABLE {t[name]} AS {sql.format(scope=t['scope'])}")
     return label
 
 
@@ -319,63 +321,65 @@ def _gather_run(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[st
 
 def _gather_warehouse(conn: duckdb.DuckDBPyConnection, run: dict[str, Any], ctx: dict[str, Any]) -> None:
     """The activation statistics section: over the features the run loaded, else the warehouse."""
+    tag = uuid.uuid4().hex[:12]
+    t = {name: f"_report_{name}_{tag}" for name in ("scope", *_SCOPED)}
     try:
-        ctx["scope_label"] = _run_scope(conn, run["run_id"])
-        _statistics(conn, ctx)
+        ctx["scope_label"] = _run_scope(conn, run["run_id"], t)
+        _statistics(conn, ctx, t)
     finally:
-        for name in ("report_scope", *_SCOPED):
+        for name in t.values():
             conn.execute(f"DROP TABLE IF EXISTS temp.{name}")
 
 
-def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any]) -> None:
-    ctx["sources"] = _rows(conn, """
+def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any], t: dict[str, str]) -> None:
+    ctx["sources"] = _rows(conn, f"""
         SELECT model_id, source_id, coalesce(data_source, '(none)') AS data_source,
                count(*) AS n_features, sum(n_examples) AS n_examples,
                sum(n_active_tokens) / nullif(sum(n_tokens), 0) AS active_token_fraction,
                max(max_activation) AS max_activation, median(max_activation) AS median_max_activation
-        FROM report_stats
+        FROM {t['stats']}
         GROUP BY ALL ORDER BY model_id, source_id, data_source""")
-    ctx["feature_stats"] = conn.execute("""
+    ctx["feature_stats"] = conn.execute(f"""
         SELECT model_id || ' / ' || source_id AS source, coalesce(data_source, '(none)') AS data_source,
                feature_index, max_activation, active_token_fraction
-        FROM report_stats""").df()
-    ctx["frac_nonzero"] = conn.execute("""
+        FROM {t['stats']}""").df()
+    ctx["frac_nonzero"] = conn.execute(f"""
         SELECT model_id || ' / ' || source_id AS source, feature_index, frac_nonzero
-        FROM report_features WHERE frac_nonzero IS NOT NULL""").df()
+        FROM {t['features']} WHERE frac_nonzero IS NOT NULL""").df()
     ctx["top_features"] = _rows(conn, f"""
         WITH best AS (
             SELECT model_id, source_id, feature_index,
                    arg_max(coalesce(data_source, '(none)'), max_activation) AS data_source,
                    arg_max(top_tokens, max_activation) AS top_tokens,
                    max(max_activation) AS max_activation, sum(n_examples) AS n_examples
-            FROM report_stats
+            FROM {t['stats']}
             WHERE max_activation IS NOT NULL
-            GROUP BY ALL ORDER BY max_activation DESC LIMIT {_TOP_FEATURES})
+            GROUP BY ALL ORDER BY max_activation DESC, model_id, source_id, feature_index LIMIT {_TOP_FEATURES})
         SELECT b.*, e.explanation, f.frac_nonzero
-        FROM best b LEFT JOIN report_explanations e USING (model_id, source_id, feature_index)
-        LEFT JOIN report_features f USING (model_id, source_id, feature_index)
-        ORDER BY b.max_activation DESC""")
+        FROM best b LEFT JOIN {t['explanations']} e USING (model_id, source_id, feature_index)
+        LEFT JOIN {t['features']} f USING (model_id, source_id, feature_index)
+        ORDER BY b.max_activation DESC, model_id, source_id, feature_index""")
     for f in ctx["top_features"]:
         f["url"] = _feature_url(f)
-        f["tokens"] = [t["token"] for t in (f["top_tokens"] or [])[:6]]
-    ctx["chat_pairs"] = conn.execute("""
+        f["tokens"] = [tok["token"] for tok in (f["top_tokens"] or [])[:6]]
+    ctx["chat_pairs"] = conn.execute(f"""
         SELECT c.model_id, c.source_id, c.feature_index,
                c.max_activation AS chat_max, n.max_activation AS non_chat_max
-        FROM report_stats c JOIN report_stats n USING (model_id, source_id, feature_index)
+        FROM {t['stats']} c JOIN {t['stats']} n USING (model_id, source_id, feature_index)
         WHERE c.data_source = 'Chat' AND n.data_source = 'Non-Chat'""").df()
-    ctx["chat_extremes"] = _rows(conn, """
+    ctx["chat_extremes"] = _rows(conn, f"""
         WITH pairs AS (
             SELECT c.model_id, c.source_id, c.feature_index, c.max_activation AS chat_max,
                    n.max_activation AS non_chat_max,
                    ln(greatest(c.max_activation, 1e-6) / greatest(n.max_activation, 1e-6)) AS log_ratio
-            FROM report_stats c JOIN report_stats n USING (model_id, source_id, feature_index)
+            FROM {t['stats']} c JOIN {t['stats']} n USING (model_id, source_id, feature_index)
             WHERE c.data_source = 'Chat' AND n.data_source = 'Non-Chat'),
         ranked AS (
-            SELECT *, 'more active on Chat' AS side, row_number() OVER (ORDER BY log_ratio DESC) AS rk FROM pairs WHERE log_ratio > 0
+            SELECT *, 'more active on Chat' AS side, row_number() OVER (ORDER BY log_ratio DESC, model_id, source_id, feature_index) AS rk FROM pairs WHERE log_ratio > 0
             UNION ALL
-            SELECT *, 'more active on Non-Chat', row_number() OVER (ORDER BY log_ratio) FROM pairs WHERE log_ratio < 0)
+            SELECT *, 'more active on Non-Chat', row_number() OVER (ORDER BY log_ratio, model_id, source_id, feature_index) FROM pairs WHERE log_ratio < 0)
         SELECT r.*, exp(abs(log_ratio)) AS ratio, e.explanation
-        FROM ranked r LEFT JOIN report_explanations e USING (model_id, source_id, feature_index)
+        FROM ranked r LEFT JOIN {t['explanations']} e USING (model_id, source_id, feature_index)
         WHERE rk <= 5 ORDER BY side, rk""")
     for f in ctx["chat_extremes"]:
         f["url"] = _feature_url(f)

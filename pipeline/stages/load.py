@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 
 import duckdb
 import pyarrow as pa
@@ -212,8 +212,7 @@ def settle_again(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) ->
     if not again:
         return {}
     # As literal VALUES, not Arrow: an unchanged re-run needs no pandas (see ``insert_values``).
-    conn.execute("CREATE OR REPLACE TEMP TABLE again (input_sha256 VARCHAR, captured_at TIMESTAMP)")
-    insert_values(conn, "again", [{"input_sha256": sha, "captured_at": at} for sha, at in again.items()])
+    _times_table(conn, "again", again)
     # Most bytes seen again (an unchanged re-run) are not newer than what is recorded: settled
     # from raw_inputs alone, so the claims and the tables' rows are looked at only for the rest.
     first = dict(conn.execute(f"""
@@ -262,15 +261,24 @@ def retime(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> None:
     time (the rows, the same, are not rewritten). Inside the load's transaction."""
     if not again:
         return
-    conn.register("_retime", pa.table({"input_sha256": pa.array(list(again), pa.string()),
-                                       "captured_at": pa.array(list(again.values()), pa.timestamp("us"))}))
+    _times_table(conn, "_retime", again)
     try:
         for table in ("feature_captures", "raw_inputs"):
             conn.execute(f"""UPDATE {table} AS t SET captured_at = r.captured_at FROM _retime AS r
                              WHERE t.input_sha256 = r.input_sha256
                                AND coalesce(t.captured_at, {_OLDEST}) < r.captured_at""")
     finally:
-        conn.unregister("_retime")
+        conn.execute("DROP TABLE IF EXISTS temp._retime")
+
+
+def _times_table(conn: duckdb.DuckDBPyConnection, name: str, times: dict[str, datetime]) -> None:
+    """The temp table ``name`` (input_sha256, captured_at) of digests and capture times (naive
+    UTC; an aware time is taken to UTC, as Arrow took it), as literal VALUES: a re-run whose
+    files were only touched needs no pandas either (see ``insert_values``)."""
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE {name} (input_sha256 VARCHAR, captured_at TIMESTAMP)")
+    insert_values(conn, name, [
+        {"input_sha256": sha, "captured_at": at.astimezone(timezone.utc).replace(tzinfo=None) if at.tzinfo else at}
+        for sha, at in times.items()])
 
 
 def _plan(conn: duckdb.DuckDBPyConnection, reprocess: bool) -> dict[str, bool]:

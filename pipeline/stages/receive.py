@@ -40,9 +40,12 @@ class Input:
 
 def origin_of(path: Path) -> str:
     """A file's origin: its absolute path, folders resolved but not the file itself, so a
-    symbolic link is named as itself (its target is said in the reason when it matters)."""
+    symbolic link is named as itself (its target is said in the reason when it matters). Bytes
+    of the name that are not UTF-8 are written ``\\xNN``."""
     path = Path(os.path.abspath(path))
-    return str(path.parent.resolve() / path.name)
+    # A name that is not UTF-8 (bytes the file system allows) is kept readable with its odd
+    # bytes written as \xNN: the warehouse stores text, and one such name must not fail a run.
+    return os.fsencode(path.parent.resolve() / path.name).decode("utf-8", "backslashreplace")
 
 
 def iter_inputs(paths: Iterable[str | os.PathLike]) -> Iterator[Input]:
