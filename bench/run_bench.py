@@ -189,6 +189,11 @@ def case_rerun(r: Runner, n: int, full: dict, pairs: int) -> dict:
 
 #: What every one-page run imports before it can validate: the floor of the "one" case.
 IMPORT_FLOOR = "import pipeline.ingest, pipeline.cli, great_expectations"
+#: The same imports as the pipeline makes them (its collector paused during Great Expectations'
+#: import, and frozen before the teardown: ``validate.heavy_imports``, ``cli.main``): ~1.7 s
+#: less than IMPORT_FLOOR here. Printed beside it, so the "one" figure does not flatter itself
+#: with a floor that pays collections the pipeline no longer pays.
+PAUSED_FLOOR = "import gc; gc.disable(); " + IMPORT_FLOOR + "; gc.freeze()"
 
 
 def case_one(r: Runner, n: int, pairs: int) -> dict:
@@ -204,9 +209,13 @@ def case_one(r: Runner, n: int, pairs: int) -> dict:
 
     p = _pairs(pairs, ours, lambda: _run_child([sys.executable, "-c", IMPORT_FLOOR], env=r.env))
     cli = _run_child([r.exe, "--help"], env=r.env)
+    paused = sorted(_run_child([sys.executable, "-c", PAUSED_FLOOR], env=r.env)["seconds"] for _ in range(pairs))
+    paused_floor = paused[len(paused) // 2]
     return {"case": "one", "n_landed": n, "seconds": p["ours"]["seconds"], "peak_rss_mib": p["ours_peak_rss_mib"],
             "import_floor_seconds": p["floor"]["seconds"], "over_import_floor_seconds":
             round(p["ours"]["seconds"] - p["floor"]["seconds"], 2), "ratios": p["ratios"],
+            "paused_import_floor_seconds": paused_floor,
+            "over_paused_floor_seconds": round(p["ours"]["seconds"] - paused_floor, 2),
             "cli_start_seconds": cli["seconds"], "stages": _stages(p["ours"])}
 
 
@@ -260,7 +269,9 @@ def _line(res: dict) -> str:
     if c == "one":
         return (f"one     1 new page into {res['n_landed']} landed  {res['seconds']:.2f}s; the import floor "
                 f"({IMPORT_FLOOR}) {res['import_floor_seconds']:.2f}s: +{res['over_import_floor_seconds']:.2f}s "
-                f"(median pair)  goal <= floor + 1 s: {_met(res['over_import_floor_seconds'] <= 1)}; "
+                f"(median pair)  goal <= floor + 1 s: {_met(res['over_import_floor_seconds'] <= 1)}; the same "
+                f"imports with the collector paused, as the pipeline makes them, {res['paused_import_floor_seconds']:.2f}s: "
+                f"+{res['over_paused_floor_seconds']:.2f}s, {_met(res['over_paused_floor_seconds'] <= 1)}; "
                 f"featurehouse --help {res['cli_start_seconds']:.2f}s" + _stage_text(res))
     return (f"export  {res['gzip_mib']} MiB gzip, {res['expanded_mib']} MiB expanded, {res['rows']} rows  "
             f"ingest {res['ours_seconds']:.2f}s (peak RSS {res['ours_peak_rss_mib']:.0f} MiB, "
