@@ -225,9 +225,11 @@ def test_a_runs_own_report_leaves_the_data_docs_index_to_the_report_command(tmp_
     second = ingest([tmp_path / "b"], settings, progress=False)
     page = Path(second.report_path).read_text()
     assert len(re.findall(r'href="[^"]*/' + re.escape(second.run_id) + r'/[^"]*batch-0001-\w+\.html"', page)) == 3
-    assert index.read_text() == built  # not rebuilt
-    write_report(settings, second.run_id)
+    assert index.read_text() == built  # not rebuilt, and the report says so beside the link
+    assert "its index lists this run once <code>featurehouse report</code>" in page
+    refreshed = write_report(settings, second.run_id).read_text()
     assert second.run_id in index.read_text()
+    assert "its index lists this run once" not in refreshed
 
 
 _HOSTILE = ["it's", "a?b", "$x", "-- not a comment", "/* nor this */", "line\nbreak", "ünïcødé 漢字",

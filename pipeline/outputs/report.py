@@ -831,6 +831,7 @@ def _data_docs(gx_project: Path, run_id: str, out_dir: Path, index: bool = True)
     site = pages[0].parents[4]  # validations/<suite>/<run>/<time>/<page> under the site root
     return {
         "index": _rel(site / "index.html", out_dir),
+        "index_refreshed": index,  # else it may not list this run yet (see build_data_docs)
         "pages": [{"suite": p.parents[2].name, "batch": p.stem, "href": _rel(p, out_dir)} for p in pages],
     }
 
