@@ -12,6 +12,7 @@ import gzip
 import json
 import math
 import re
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -550,9 +551,24 @@ def _compile(schema: dict) -> _Check:
     return check
 
 
+#: Held while jsonschema is imported. Great Expectations' import, in its warm-up thread
+#: (``validate.warm_up``), imports it too (through Altair) while this thread checks the first
+#: pages: two threads importing the same packages at once can meet in Python's per-module
+#: import locks, which then hand one of them a half-made module ("module 'jsonschema' has no
+#: attribute 'exceptions'", seen once in the suite). Whoever comes first imports it whole.
+_JSONSCHEMA_IMPORT = threading.Lock()
+
+
+def import_jsonschema():
+    """``jsonschema``, imported by one thread at a time (see ``_JSONSCHEMA_IMPORT``)."""
+    with _JSONSCHEMA_IMPORT:
+        import jsonschema
+    return jsonschema
+
+
 @functools.lru_cache(maxsize=1)
 def _page_check() -> _Check:
-    import jsonschema  # 0.08 s of import: only once a page is checked, not for a run that reads none
+    jsonschema = import_jsonschema()  # 0.08 s: only once a page is checked, not for a run that reads none
 
     schema = json.loads((SCHEMAS_DIR / "feature_page.schema.json").read_text())
     jsonschema.Draft202012Validator.check_schema(schema)  # a valid JSON Schema, first

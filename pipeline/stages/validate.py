@@ -29,6 +29,7 @@ from urllib.parse import unquote, urlparse
 import duckdb
 
 from ..config import SCHEMAS_DIR
+from . import parse
 from .materialise import EXCERPT, excerpt_columns
 
 __all__ = [
@@ -176,6 +177,9 @@ def _gx():
 
 
 def _set_up_gx():
+    # first, under the lock parse's page check takes: Great Expectations imports it through
+    # Altair, maybe while the main thread checks the first pages (see parse._JSONSCHEMA_IMPORT)
+    parse.import_jsonschema()
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     _defer_unused_imports()
     import great_expectations as gx  # heavy: imported on first validation, not at import time
