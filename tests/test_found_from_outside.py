@@ -74,8 +74,11 @@ def test_sigterm_ends_the_run_as_failed(tmp_path):
     for i in range(120):
         write(folder / f"{i}.json", orjson.dumps(synthetic_page(i)))
     wh = tmp_path / "wh"
+    # A batch per page: the run lasts a minute or more, not the seconds 120 pages now take, which
+    # a loaded machine's polling (a process per look) could miss, the run ending before the signal.
+    env = {**os.environ, "FEATUREHOUSE_BATCH_ACTIVATIONS": "30"}
     proc = subprocess.Popen([str(FEATUREHOUSE), "ingest", str(folder), "--warehouse", str(wh), "--no-progress",
-                             "--run-id", "term"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--run-id", "term"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # until the run is recorded
         # the count, not `SELECT 1`: csv output heads its column "1", so an empty answer ended in "1" too
