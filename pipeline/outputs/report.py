@@ -179,8 +179,9 @@ def _run_scope(conn: duckdb.DuckDBPyConnection, run_id: str, t: dict[str, str]) 
     The features the run loaded; when it loaded none (it refused its inputs, or failed), the
     whole warehouse. (A run that changed nothing gets the short form, which reads neither.)
     """
-    run_sql = f"""SELECT model_id, source_id, feature_index FROM features WHERE run_id = '{_q(run_id)}'
-                  UNION SELECT model_id, source_id, feature_index FROM activations WHERE run_id = '{_q(run_id)}'"""
+    rid = warehouse_mod.literal(run_id)
+    run_sql = f"""SELECT model_id, source_id, feature_index FROM features WHERE run_id = {rid}
+                  UNION SELECT model_id, source_id, feature_index FROM activations WHERE run_id = {rid}"""
     conn.execute(f"CREATE TEMP TABLE {t['scope']} AS {run_sql}")
     (n,) = conn.execute(f"SELECT count(*) FROM {t['scope']}").fetchone()
     label = f"the {n:,} feature(s) this run loaded"
@@ -199,10 +200,6 @@ def _feature_url(f: dict[str, Any]) -> str:
     """The feature's page on Neuronpedia; each part of its key is one path segment, whatever it holds."""
     parts = (f["model_id"], f["source_id"], f["feature_index"])
     return _NEURONPEDIA + "".join("/" + quote(str(p), safe="") for p in parts)
-
-
-def _q(s: str) -> str:
-    return s.replace("'", "''")
 
 
 def changed_nothing(run: dict[str, Any]) -> bool:
