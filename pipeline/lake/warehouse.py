@@ -53,7 +53,7 @@ def utcnow() -> datetime:
 
 __all__ = [
     "CATALOG", "WarehouseMissing", "LegacyWarehouse", "SchemaTooNew", "SchemaTooOld", "CommitFailed", "BadCatalog",
-    "connect", "transaction", "write_lock", "schema_version", "migrations", "latest_version",
+    "connect", "transaction", "write_lock", "holds_write_lock", "schema_version", "migrations", "latest_version",
     "attach_sql", "extension_path", "settings_for", "sandbox", "apply_migrations", "is_conflict", "CommitStats",
     "RefusedQuery", "READ_ONLY_HELP", "check_read_only", "open_for_queries", "confine_process", "data_path",
     "resolved_data_path", "load_extension", "extension_loaded", "exists",
@@ -801,6 +801,7 @@ class _Lock:
         self.settings = settings
         self.mutex = threading.RLock()
         self.depth = 0
+        self.owner: int | None = None  # the thread holding it
         self.handle: Any = None
 
     def _acquire_os(self, timeout: float) -> None:
@@ -856,20 +857,37 @@ class _Lock:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        with self.mutex:
+        started = time.monotonic()
+        # another thread of this process holding it is waited for as long as another process
+        if not self.mutex.acquire(timeout=self.settings.lock_timeout):
+            raise TimeoutError(f"waited {self.settings.lock_timeout:.0f}s for the warehouse's commit lock "
+                               f"({_redact(self.settings.catalog_url)}); another thread of this process holds it")
+        try:
             if self.depth == 0:
-                self._acquire_os(self.settings.lock_timeout)
+                self._acquire_os(max(0.0, self.settings.lock_timeout - (time.monotonic() - started)))
+                self.owner = threading.get_ident()
             self.depth += 1
             try:
                 yield
             finally:
                 self.depth -= 1
                 if self.depth == 0:
+                    self.owner = None
                     self._release_os()
+        finally:
+            self.mutex.release()
 
 
 _LOCKS: dict[str, _Lock] = {}
 _LOCKS_GUARD = threading.Lock()
+
+
+def holds_write_lock(settings: Settings) -> bool:
+    """True when the calling thread holds the warehouse's commit lock (``write_lock``): work it
+    runs must take the lock in this thread, not wait for it in another."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(settings.catalog_url)
+    return lock is not None and lock.owner == threading.get_ident()
 
 
 def write_lock(settings: Settings) -> contextlib.AbstractContextManager[None]:
