@@ -97,6 +97,7 @@ class _Batch:
         self.retimes: dict[str, datetime] = {}  # bytes still loaded whose newer capture time is recorded
         self.n_activations = 0
         self.n_bytes = 0
+        self.scratch: Path | None = None  # local copies of its S3 pages, for DuckDB to read
 
     def __len__(self) -> int:
         return (len(self.inputs) + len(self.run_inputs) + len(self.fast) + sum(map(len, self.exports.values()))
@@ -171,8 +172,17 @@ def _mtime(path: Path | None) -> datetime:
 
 class _Run:
     """One run's inputs through the stages. ``take`` receives an input: land → new? → route
-    (which road reads it). ``flush`` takes a batch through read → stage → validate → load, each
-    a method of its own; ``_record_seen`` commits a batch of inputs seen before."""
+    (which road reads it). ``flush`` takes a batch through read → stage → validate, then hands
+    it to the loader thread (write → statistics → commit) and goes on with the next batch;
+    ``_record_seen`` commits a batch of inputs seen before.
+
+    Two batches are in hand at most: one loading, one being landed, read and validated, each on
+    a DuckDB connection of its own (the staging tables are a connection's temp tables). DuckDB
+    releases the GIL while it writes the loading batch's files, so the next batch's landing,
+    read and Great Expectations' judging use the other core. The loads commit one at a time, in
+    batch order; a batch's load starts only after the one before it committed, so it decides
+    what it replaces against the latest snapshot, as a lone batch does.
+    """
 
     def __init__(self, conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
                  reprocess: bool, materialise: bool = True, source_stats: bool = True, report_after: bool = False):
@@ -183,6 +193,10 @@ class _Run:
         self.settings = settings
         self.summary = summary
         self.reprocess = reprocess
+        self.primary = conn
+        self.spare: duckdb.DuckDBPyConnection | None = None  # the second connection, made when needed
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="load")
+        self._loading: Future | None = None  # the batch loading in the loader thread
         self.cores = int(conn.execute("SELECT current_setting('threads')").fetchone()[0])
         self.threads = self.cores
         self.n_bytes = 0  # input bytes of the batches flushed so far
@@ -220,6 +234,7 @@ class _Run:
         per = self.settings.bytes_per_thread
         want = self.cores if per <= 0 else max(1, min(self.cores, n_bytes // per))
         if want != self.threads:
+            self.wait_loaded()  # a global setting: not while the loader's statement runs
             self.conn.execute(f"SET threads = {int(want)}")
             self.threads = want
 
@@ -230,13 +245,17 @@ class _Run:
             return
         self.n_bytes += batch.n_bytes
         self.use_threads(batch.n_bytes)
+        if batch.again:  # decided against what is committed: the batch loading first
+            self.wait_loaded()
         self._settle_again(batch)
         if not (batch.inputs or batch.fast or any(batch.exports.values())):
             # Only inputs landed before (an unchanged re-run): nothing to parse, validate or load,
             # so no Great Expectations and no staging; record that this run saw them.
+            self.wait_loaded()
             self._record_seen(batch)
             return
         self.batch_no += 1
+        batch.scratch = self.scratch / f"batch-{self.batch_no}"
         now = utcnow()
         if not self._warm_up_started and (batch.parsed or batch.fast or any(batch.exports.values())):
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
@@ -245,23 +264,72 @@ class _Run:
             self._warm_up_started = True
             self._warming = threading.Thread(target=validate.warm_up, name="gx-warm-up", daemon=True)
             self._warming.start()
-        timed = self.summary.timed
+        timed, conn = self.summary.timed, self.conn
         try:
-            with warehouse.scratch_first(self.conn):  # temp tables only until the load
+            with warehouse.scratch_first(conn):  # temp tables only until the load
                 with timed("read"):
                     self._read_pages(batch)
                     self._read_exports(batch)
                 with timed("stage"):
                     self._stage(batch)
-                    superseded = claim_captures(self.conn)
+                    superseded = claim_captures(conn)
                 with timed("validate"):
                     outcome = self._validate(now)
-            self._load(batch, outcome, superseded, now)
-        finally:
+        except BaseException:
             self._warmed_up()
-            stage.drop(self.conn)
-            self._clear_scratch()  # after the load: quarantined records are cut out of these copies
+            self._forget(conn, batch)
+            raise
+        finally:
             self.digests.save()
+        # one load at a time, in batch order; this batch's connection is the loader's until it is
+        # committed, and the next batch is staged on the other one
+        self.wait_loaded()
+        base = {c: getattr(self.summary, c) for c in COUNTERS}  # the counts as of this batch
+        args = (conn, batch, outcome, superseded, now, self.batch_no, base)
+        if warehouse.holds_write_lock(self.settings):
+            # the caller holds the commit lock, which is re-entrant in its own thread only
+            self._loading = Future()
+            self._loading.set_result(self._load_batch(*args))
+        else:
+            self._loading = self._load_pool.submit(self._load_batch, *args)
+        self.conn = self._other(conn)
+
+    def _other(self, conn: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+        """The connection the loader is not using: the next batch is staged on it."""
+        if conn is not self.primary:
+            return self.primary
+        if self.spare is None:
+            self.spare = self.primary.cursor()  # the same database (the lake attached), its own temp tables
+            self.spare.execute(f"USE {warehouse.CATALOG}")
+        return self.spare
+
+    def _load_batch(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, outcome: validate.ValidationOutcome,
+                    superseded: list[dict], now: datetime, batch_no: int, base: dict[str, int]):
+        """The loader thread's work for one batch: load it, then drop its staging tables."""
+        try:
+            return self._load(conn, batch, outcome, superseded, now, batch_no, base)
+        finally:
+            self._forget(conn, batch)
+
+    def _forget(self, conn: duckdb.DuckDBPyConnection, batch: _Batch) -> None:
+        """A batch's staging tables and scratch copies, once it is loaded (or failed): quarantined
+        records are cut out of these copies at the load."""
+        stage.drop(conn)
+        if batch.scratch is not None:
+            shutil.rmtree(batch.scratch, ignore_errors=True)
+
+    def wait_loaded(self) -> None:
+        """Wait until the batch loading (if any) is committed, and count what it loaded; its
+        error, if it failed, is raised here."""
+        loading, self._loading = self._loading, None
+        if loading is None:
+            return
+        delta, counts = loading.result()
+        s = self.summary
+        if s.part is not None:
+            s.written = counts
+        for c, n in delta.items():
+            setattr(s, c, getattr(s, c) + n)
 
     def _settle_again(self, batch: _Batch) -> None:
         """Bytes taken before that came again: content dedup skips reading them, never the
@@ -309,7 +377,7 @@ class _Run:
     def _read_pages(self, batch: _Batch) -> None:
         """DuckDB reads one-line API-JSON pages; one it cannot read cleanly takes the Python road,
         which parses it or refuses it with a precise reason."""
-        fast_ok = stage.read_api_json(self.conn, [(landed.sha256, self._local(landed)) for landed in batch.fast])
+        fast_ok = stage.read_api_json(self.conn, [(landed.sha256, self._local(landed, batch)) for landed in batch.fast])
         for landed in batch.fast:
             if landed.sha256 in fast_ok:
                 self.summary.n_loaded += 1
@@ -398,11 +466,25 @@ class _Run:
             self._warming.join()
             self._warming = None
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Wait for the threads; ``failed``: the run is failing already, so an error of the batch
+        loading is logged, not raised (the first error is the run's)."""
         self.digests.close()
         self._warmed_up()
-        self.wait_stored()
-        self._store_pool.shutdown(wait=True)
+        try:
+            self.wait_loaded()
+        except Exception:
+            if not failed:
+                raise
+            log.exception("the batch loading when the run failed did not load")
+        finally:
+            self._load_pool.shutdown(wait=True)
+            self.wait_stored()
+            self._store_pool.shutdown(wait=True)
+            if self.spare is not None:
+                self.conn = self.primary
+                self.spare.close()
+                self.spare = None
 
     def _record_seen(self, batch: _Batch) -> None:
         """Commit the run_inputs rows of a batch of inputs all landed before, and the run's counts."""
@@ -420,11 +502,12 @@ class _Run:
         if s.part is not None:
             s.written = counts
 
-    def _bookkeeping(self, batch: _Batch, outcome: validate.ValidationOutcome, now) -> tuple[list, list, list, list]:
+    def _bookkeeping(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, outcome: validate.ValidationOutcome,
+                     now, batch_no: int) -> tuple[list, list, list, list]:
         """What the commit records beside the rows, prepared before it (none of it needs the
         committed state): the failed rows (also as the temp table ``failed_rows``), the
         quarantined records as received, the expectation results and the run's inputs."""
-        conn, run_id = self.conn, self.summary.run_id
+        run_id = self.summary.run_id
         failed = sorted({(q["table"], q["row"]) for q in outcome.quarantine})
         conn.register("_failed", pa.table({"tbl": pa.array([t for t, _ in failed], pa.string()),
                                            "_row": pa.array([r for _, r in failed], pa.int64())}))
@@ -443,7 +526,7 @@ class _Run:
                 "record_key": q["record_key"], "check_name": q["check_name"], "detail": q["detail"],
                 "record_json": raw, "quarantined_at": now,
             })
-        results = [dict(r, run_id=run_id, batch_no=self.batch_no, validated_at=now) for r in outcome.results]
+        results = [dict(r, run_id=run_id, batch_no=batch_no, validated_at=now) for r in outcome.results]
         run_inputs = list(batch.run_inputs) + [
             {"run_id": run_id, "input_sha256": landed.sha256, "origin": landed.input.origin,
              "outcome": "rejected" if reason else "loaded"}
@@ -451,12 +534,16 @@ class _Run:
         ]
         return failed, quarantine, results, run_inputs
 
-    def _load(self, batch: _Batch, outcome: validate.ValidationOutcome, superseded: list[dict], now) -> None:
-        """Commit the batch: one transaction, one snapshot, under the commit lock, retried whole
-        if it loses a commit race. Everything that need not see the committed state (the
-        quarantined records as received, the bookkeeping rows) is prepared before it."""
-        conn, s, run_id = self.conn, self.summary, self.summary.run_id
-        failed, quarantine, results, run_inputs = self._bookkeeping(batch, outcome, now)
+    def _load(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, outcome: validate.ValidationOutcome,
+              superseded: list[dict], now, batch_no: int, base: dict[str, int]) -> tuple[dict, dict]:
+        """Commit the batch (in the loader thread, on the connection it was staged on): one
+        transaction, one snapshot, under the commit lock, retried whole if it loses a commit
+        race. Everything that need not see the committed state (the quarantined records as
+        received, the bookkeeping rows) is prepared before it. ``base``: the run's counts as of
+        this batch (the main thread counts the next one meanwhile). Returns what it loaded and
+        the counts it stored."""
+        s, run_id = self.summary, self.summary.run_id
+        failed, quarantine, results, run_inputs = self._bookkeeping(conn, batch, outcome, now, batch_no)
         shas = [landed.sha256 for landed, _, _ in batch.inputs]
 
         # The batch's rows are written before the commit lock is taken; the commit adds the
@@ -491,13 +578,13 @@ class _Run:
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
                       "n_expectations": len(results), "n_expectations_failed": sum(not r["success"] for r in results)}
-            counts = {c: getattr(s, c) + delta.get(c, 0) for c in COUNTERS} | s.sync_commit_stats()
+            counts = {c: base[c] + delta.get(c, 0) for c in COUNTERS} | s.sync_commit_stats()
             write_counts(conn, s, counts)
             return delta, counts
 
         with s.timed("commit"):
-            delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {self.batch_no}",
-                                                  extra={"run_id": run_id, "batch": self.batch_no}, stats=s.stats)
+            delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {batch_no}",
+                                                  extra={"run_id": run_id, "batch": batch_no}, stats=s.stats)
         materialise.forget_computed(conn)
         forget_decided(conn)
         # committed: a file the commit did not add is no table's (after a failure, all of them
@@ -507,10 +594,7 @@ class _Run:
                 s3.delete(path, self.settings) if is_s3(path) else os.unlink(path)
             except Exception as exc:  # an orphan: maintain deletes it later
                 log.warning("could not remove the unused data file %s: %s", path, exc)
-        if s.part is not None:
-            s.written = counts
-        for c, n in delta.items():
-            setattr(s, c, getattr(s, c) + n)
+        return delta, counts
 
     def _record_inputs(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, loaded: dict, now) -> None:
         """The batch's inputs in ``raw_inputs``, in the commit: what each loaded (``loaded``: rows
@@ -545,7 +629,7 @@ class _Run:
     def take(self, item: Input, batch: _Batch) -> None:
         """Receive one input: land it, then route it to the road that reads it (or skip it as
         seen before)."""
-        landed = self._land(item)
+        landed = self._land(item)  # (beside the loader thread's commit of the batch before)
         if landed is None or not self._is_new(item, landed, batch):
             return
         self._route(landed, batch)
@@ -651,18 +735,15 @@ class _Run:
         else:
             self._parse(batch, landed)
 
-    def _local(self, landed: Landed) -> Path:
+    def _local(self, landed: Landed, batch: _Batch) -> Path:
         """A page's landed file for DuckDB: itself on disk; from S3, its bytes (in hand) written
-        to a local scratch file, cheaper than one S3 request per page from DuckDB."""
+        to a local scratch file of the batch, cheaper than one S3 request per page from DuckDB."""
         if not is_s3(landed.path):
             return Path(landed.path)
-        self.scratch.mkdir(parents=True, exist_ok=True)
-        path = self.scratch / landed.sha256
+        batch.scratch.mkdir(parents=True, exist_ok=True)
+        path = batch.scratch / landed.sha256
         path.write_bytes(landed.data or read_landed(landed.path))
         return path
-
-    def _clear_scratch(self) -> None:
-        shutil.rmtree(self.scratch, ignore_errors=True)
 
     def _parse(self, batch: _Batch, landed: Landed) -> None:
         try:
@@ -761,7 +842,7 @@ def ingest(
     except BaseException as exc:
         summary.status = "failed"
         if run_started is not None:
-            run_started.close()
+            run_started.close(failed=True)
         with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open
             conn.execute("ROLLBACK")
         with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
