@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -197,6 +198,9 @@ class _Run:
         self.spare: duckdb.DuckDBPyConnection | None = None  # the second connection, made when needed
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="load")
         self._loading: Future | None = None  # the batch loading in the loader thread
+        # the thread starts now: started by the first batch's submit, a signal inside
+        # Thread.start could leave a thread loading that the pool does not know to wait for
+        self._load_pool.submit(int).result()
         self.cores = int(conn.execute("SELECT current_setting('threads')").fetchone()[0])
         self.threads = self.cores
         self.n_bytes = 0  # input bytes of the batches flushed so far
@@ -321,10 +325,14 @@ class _Run:
     def wait_loaded(self) -> None:
         """Wait until the batch loading (if any) is committed, and count what it loaded; its
         error, if it failed, is raised here."""
-        loading, self._loading = self._loading, None
+        loading = self._loading
         if loading is None:
             return
-        delta, counts = loading.result()
+        try:
+            delta, counts = loading.result()
+        finally:
+            if loading.done():  # not when a signal interrupted the wait: close() waits again
+                self._loading = None
         s = self.summary
         if s.part is not None:
             s.written = counts
@@ -471,6 +479,13 @@ class _Run:
         loading is logged, not raised (the first error is the run's)."""
         self.digests.close()
         self._warmed_up()
+        while failed and self._loading is not None and not self._loading.done():
+            # the run is failing (a signal, often): the batch loading shares this connection,
+            # so the run is recorded only once it is done; a second signal does not cut that short
+            try:
+                futures.wait([self._loading])
+            except BaseException:
+                log.warning("the run is ending: waiting for the batch being committed first")
         try:
             self.wait_loaded()
         except Exception:

@@ -170,3 +170,32 @@ def test_a_lock_another_thread_holds_is_waited_for_as_long_as_the_lock_timeout_s
     with wh.write_lock(settings):  # free again
         assert wh.holds_write_lock(settings)
     assert not wh.holds_write_lock(settings)
+
+
+def test_an_interrupt_while_a_batch_loads_waits_for_its_commit_then_records_the_run_failed(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) in the main thread while the loader commits batch 1: the run is
+    recorded as failed only after that commit (both share a connection), and counts what it
+    committed."""
+    settings = _one_page_batches(tmp_path)
+    real_claim, real_prewrite, claims = ingest_module.claim_captures, ingest_module.prewrite, []
+    loading = threading.Event()
+
+    def prewrite(conn, *args, **kw):
+        loading.set()
+        threading.Event().wait(1.0)  # a load that takes a while
+        return real_prewrite(conn, *args, **kw)
+
+    def claim(conn):
+        claims.append(1)
+        if len(claims) == 2:
+            assert loading.wait(30)
+            raise KeyboardInterrupt
+        return real_claim(conn)
+
+    monkeypatch.setattr(ingest_module, "claim_captures", claim)
+    monkeypatch.setattr(ingest_module, "prewrite", prewrite)
+    with pytest.raises(KeyboardInterrupt):
+        run_ingest(_pages(tmp_path / "in", 4), settings)
+    status, n_features = query(settings, "SELECT status, n_features FROM runs")[0]
+    assert status == "failed" and n_features == 1
+    assert query(settings, "SELECT count(*) FROM features")[0][0] == 1
