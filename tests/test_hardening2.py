@@ -432,3 +432,22 @@ def test_a_full_disk_under_the_reports_after_a_good_load_is_said_without_a_trace
         assert query(wh, "SELECT count(*) FROM features") == [(1,)]
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_data_folder_made_immutable_is_said_in_one_line(tmp_path):
+    """EPERM ("Operation not permitted": `chattr +i`, some mounts) stops the run with its reason,
+    not a traceback, as EACCES does (found from outside)."""
+    wh = tmp_path / "wh"
+    run_ingest([write(tmp_path / "a" / "p.json", to_api_json(good_page(1)))], Settings(warehouse=wh))
+    folder = next(p for p in (wh / "data").rglob("activations") if p.is_dir())
+    if subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        write(tmp_path / "b" / "p.json", to_api_json(good_page(2)))
+        proc = fh("ingest", str(tmp_path / "b"), "--warehouse", str(wh), "--no-progress")
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "Operation not permitted" in proc.stderr and "may not write there" in proc.stderr, proc.stderr
+    assert query(Settings(warehouse=wh), "SELECT status FROM runs ORDER BY started_at DESC LIMIT 1") == [("failed",)]
