@@ -247,8 +247,9 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
         if isinstance(exc, PermissionError) or "Permission denied" in str(exc) or "Operation not permitted" in str(exc):
             # a folder this user may not write (a read-only copy, a mount, an immutable file): say so, not a traceback
             where = getattr(exc, "filename", None) or settings.warehouse
-            raise click.ClickException(f"the warehouse could not be written: {str(exc).splitlines()[0]} ({where}: "
-                                       f"this user may not write there); the run stopped\n{_with_notes(exc, first=False)}") from None
+            raise click.ClickException(f"the warehouse could not be written: permission denied on {where} "
+                                       f"({str(exc).splitlines()[0]}; this user may not write there); the run "
+                                       f"stopped\n{_with_notes(exc, first=False)}") from None
         raise
     except BaseException:
         if _TERMINATED:  # ingest has recorded the run as failed
