@@ -45,6 +45,7 @@ from .stages.load import (
     REFERENCE_KEYS,
     STAGED_ACTIVATIONS,
     claim_captures,
+    delete,
     forget_decided,
     insert_rows,
     insert_values,
@@ -565,7 +566,7 @@ class _Run:
         # files to the catalog (and writes the rows itself only where another writer's commit
         # since changed what loads): the lock is held for metadata, not for writing data.
         with s.timed("write"):
-            prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess)
+            prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess, inputs=shas)
         if batch.retimes:
             prewritten.snapshot = -1  # the commit moves capture times first: it decides again after
         elif self.materialise:  # the changed features' statistics too, before the lock
@@ -575,20 +576,21 @@ class _Run:
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
             retime(conn, batch.retimes)
             loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess, prewritten=prewritten)
-            record_captures(conn, now, run_id)
+            record_captures(conn, now, run_id, prewritten)
             for table in REFERENCE_KEYS:  # (decided before the lock, unless a commit came in between)
                 upsert_reference(conn, table, now, decided=prewritten.reference.get(table) if prewritten.stood else None)
             if self.materialise:  # stats of the features this batch changed, in the same snapshot
                 with s.timed("stats"):  # (computed before the lock, if no commit came in between)
+                    stood = prewritten.stats and prewritten.stood
                     materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS,
-                                                computed=prewritten.stats and prewritten.stood)
+                                                computed=stood, nothing_to_delete=prewritten.stats_empty if stood else frozenset())
             gone = [dict(r, run_id=run_id, recorded_at=now) for r in superseded + older]
             insert_rows(conn, "superseded", gone)
             # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.
-            conn.execute("DELETE FROM quarantine WHERE list_contains($shas, input_sha256)", {"shas": shas})
+            delete(conn, "quarantine", prewritten, {"shas": shas})
             insert_rows(conn, "quarantine", quarantine)
             insert_rows(conn, "validation_results", results)
-            self._record_inputs(conn, batch, loaded, now)
+            self._record_inputs(conn, batch, loaded, now, known=not (prewritten.stood and "raw_inputs" in prewritten.empty))
             insert_values(conn, "run_inputs", run_inputs)
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
@@ -611,9 +613,11 @@ class _Run:
                 log.warning("could not remove the unused data file %s: %s", path, exc)
         return delta, counts
 
-    def _record_inputs(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, loaded: dict, now) -> None:
+    def _record_inputs(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, loaded: dict, now,
+                       known: bool = True) -> None:
         """The batch's inputs in ``raw_inputs``, in the commit: what each loaded (``loaded``: rows
-        per table and input digest) or why it was rejected."""
+        per table and input digest) or why it was rejected. ``known=False``: none of them is
+        there yet (found before the lock, against the snapshot the commit still reads)."""
         run_id, raw_rows = self.summary.run_id, []
         for landed, fmt, reason in batch.inputs:
             raw_rows.append({
@@ -629,16 +633,15 @@ class _Run:
             # decided (format, status, reason, counts) is updated, and its capture time is the
             # newest of its bytes'.
             conn.register("_raw_rows", pa.Table.from_pylist(raw_rows))
-            conn.execute(
-                """UPDATE raw_inputs AS t SET format = s.format, status = s.status, reason = s.reason,
-                          n_features = s.n_features, n_activations = s.n_activations,
-                          n_explanations = s.n_explanations, captured_at = greatest(t.captured_at, s.captured_at)
-                   FROM _raw_rows AS s WHERE t.input_sha256 = s.input_sha256"""
-            )
-            conn.execute(
-                "INSERT INTO raw_inputs BY NAME SELECT * FROM _raw_rows "
-                "WHERE input_sha256 NOT IN (SELECT input_sha256 FROM raw_inputs)"
-            )
+            if known:
+                conn.execute(
+                    """UPDATE raw_inputs AS t SET format = s.format, status = s.status, reason = s.reason,
+                              n_features = s.n_features, n_activations = s.n_activations,
+                              n_explanations = s.n_explanations, captured_at = greatest(t.captured_at, s.captured_at)
+                       FROM _raw_rows AS s WHERE t.input_sha256 = s.input_sha256"""
+                )
+            conn.execute("INSERT INTO raw_inputs BY NAME SELECT * FROM _raw_rows"
+                         + (" WHERE input_sha256 NOT IN (SELECT input_sha256 FROM raw_inputs)" if known else ""))
             conn.unregister("_raw_rows")
 
     def take(self, item: Input, batch: _Batch) -> None:

@@ -12,6 +12,7 @@ and waits for it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import signal
 import subprocess
@@ -329,3 +330,61 @@ def test_a_commit_retried_on_a_busy_catalog_without_a_new_snapshot_loads_what_wa
     assert query(settings.warehouse, "SELECT display_name FROM models") == [("renamed",)]
     assert query(settings.warehouse, "SELECT max(max_activation) FROM feature_activation_stats") == [(6.5,)]
     assert _stats(settings) == _recomputed(settings)
+
+
+def _bad_value(page: dict) -> None:
+    """One activation of the page with its maximum's index past its excerpt: quarantined, the
+    rest of the page loads."""
+    page["activations"][0]["maxValueTokenIndex"] = 99
+
+
+def test_deletes_found_empty_before_the_lock_run_when_a_commit_came_in_between(tmp_path):
+    """Before the lock, feature 7 is new: the commit's deletes (its rows, captures, statistics)
+    have nothing to delete and are skipped if the plan stands. Here it does not: an older
+    capture v1 of feature 7 is committed in between, so the commit decides again and deletes
+    v1's rows. Skipping those deletes would leave both captures' rows."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    other = good_page(8, source="race-src")  # the tables hold rows, none of feature 7
+    run_ingest([write(tmp_path / "in8" / "page.json", to_api_json(other))], settings)
+    before = _ours(settings.warehouse)
+    proc = _start(_page("v2", datetime(2026, 2, 1), tmp_path / "in2", scale=3.0), settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        run_ingest([_page("v1", datetime(2026, 1, 1), tmp_path / "in1")], settings)  # the lock is ours
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    f7 = "feature_index = 7"
+    assert query(settings.warehouse, f"SELECT description FROM explanations WHERE {f7}") == [("v2",)]
+    assert query(settings.warehouse, f"SELECT count(*), max(max_value) FROM activations WHERE {f7}") == [(3, 9.75)]
+    assert query(settings.warehouse, f"SELECT count(*) FROM feature_captures WHERE {f7}") == [(3,)]
+    assert query(settings.warehouse, f"SELECT count(*) FROM features WHERE {f7}") == [(1,)]
+    assert query(settings.warehouse, f"SELECT count(*), max(max_activation) FROM feature_activation_stats "
+                                     f"WHERE {f7}") == [(3, 9.75)]  # one row per data source
+    assert _stats(settings) == _recomputed(settings)
+
+
+def test_an_inputs_records_found_absent_before_the_lock_are_replaced_if_it_came_in_between(tmp_path):
+    """Before the lock, the other process's input is not in the warehouse: its earlier records
+    (raw_inputs, quarantine, input_captures) need no replacing while the plan stands. Here the
+    same bytes are ingested in between (another path to them): the commit must replace what
+    that load recorded, not add a second copy of each record."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([write(tmp_path / "in8" / "page.json", to_api_json(good_page(8, source="race-src")))], settings)
+    page = _page("v2", datetime(2026, 2, 1), tmp_path / "in2", edit=_bad_value)
+    copy = tmp_path / "copy" / "page.json"
+    copy.parent.mkdir()
+    copy.write_bytes(page.read_bytes())
+    os.utime(copy, (page.stat().st_mtime, page.stat().st_mtime))
+    before = _ours(settings.warehouse)
+    proc = _start(page, settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        run_ingest([copy], settings)  # the lock is ours
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    where = f"WHERE input_sha256 = '{hashlib.sha256(page.read_bytes()).hexdigest()}'"
+    assert query(settings.warehouse, f"SELECT count(*) FROM raw_inputs {where}") == [(1,)]
+    assert query(settings.warehouse, f"SELECT count(*), count(DISTINCT (record_key, check_name)), "
+                                     f"count(DISTINCT record_key) FROM quarantine {where}") == [(2, 2, 1)]
+    assert query(settings.warehouse, f"SELECT count(*) FROM input_captures {where}") == [(3,)]
+    assert query(settings.warehouse, "SELECT count(*) FROM activations WHERE feature_index = 7") == [(2,)]

@@ -39,7 +39,7 @@ import duckdb
 import pyarrow as pa
 
 from ..lake.warehouse import CATALOG, bind, data_path, literal, one_snapshot, utcnow
-from .materialise import compute_changed, excerpt_from
+from .materialise import compute_changed, excerpt_from, stats_without_rows
 from .records import ARROW_SCHEMAS
 
 __all__ = [
@@ -183,10 +183,11 @@ def _newest_keeps_each_id(conn: duckdb.DuckDBPyConnection, table: str, row_id: s
             PARTITION BY i.{row_id} ORDER BY coalesce(i.captured_at_, {_OLDEST}) DESC, i.input_sha256 DESC) = 1""")
 
 
-def record_captures(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str) -> None:
+def record_captures(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str,
+                    prewritten: Prewritten | None = None) -> None:
     """Record what each input the batch parsed holds (``batch_captures``, from ``claim_captures``)
     in ``input_captures``, replacing what an earlier parse of it recorded."""
-    conn.execute("DELETE FROM input_captures WHERE input_sha256 IN (SELECT input_sha256 FROM batch_inputs)")
+    delete(conn, "input_captures", prewritten)
     conn.execute("""INSERT INTO input_captures BY NAME
                     SELECT c.*, $run_id AS run_id, $now AS recorded_at FROM batch_captures c
                     WHERE input_sha256 IN (SELECT input_sha256 FROM batch_inputs)""",
@@ -315,8 +316,15 @@ class Prewritten:
     stats: bool = False
     """Whether the statistics of the features it changes were computed against ``snapshot``
     (:func:`prestats`)."""
+    stats_empty: frozenset[str] = frozenset()
+    """The statistics tables holding no row of those features at ``snapshot``: nothing to
+    delete there while the plan stands."""
     stood: bool = False
     """Whether the last commit attempt found ``snapshot`` still the latest: its plan stood."""
+    empty: set[str] = field(default_factory=set)
+    """The commit's deletes (by name, see :func:`delete`) that found nothing to delete at
+    ``snapshot``: skipped while the plan stands. Each is a scan of a table (its files read back,
+    from S3 when deployed) that would otherwise run under the commit lock."""
 
     def unused(self) -> list[str]:
         return [path for table, path in self.files.items() if table not in self.used]
@@ -355,19 +363,68 @@ def _rows_sql(conn: duckdb.DuckDBPyConnection, table: str, now: datetime, run_id
     return f"SELECT {', '.join(cols)} FROM stage_{table} s JOIN incoming_{table} i USING (_row)"
 
 
+def _deletion(name: str) -> tuple[str, str, str]:
+    """The commit's delete called ``name``: (table, the tables it joins, the condition on ``t``,
+    the table's rows). ``<data table>``: the rows a batch's loading captures replace; the
+    others: what an input parsed again or a feature's new capture replaces."""
+    if name in DATA_TABLES:
+        claims = f"(SELECT * FROM applied WHERE table_name = '{name}')"
+        row_id = _ROW_IDS.get(name)
+        if row_id:
+            return name, "", (f"t.{row_id} IN (SELECT {row_id} FROM incoming_{name}) "
+                              f"OR EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})")
+        return name, f"{claims} AS a", _on("t", "a")
+    if name == "feature_captures":
+        return name, "applied AS a", _on("t", "a", (*_FEATURE_KEY, "table_name"))
+    if name == "input_captures":
+        return name, "", "t.input_sha256 IN (SELECT input_sha256 FROM batch_inputs)"
+    if name in ("quarantine", "raw_inputs"):  # the batch's inputs, as the $shas parameter
+        return name, "", "list_contains($shas, t.input_sha256)"
+    raise KeyError(name)
+
+
+def delete(conn: duckdb.DuckDBPyConnection, name: str, plan: Prewritten | None = None,
+           params: dict | None = None) -> None:
+    """Run the commit's delete ``name`` (see :func:`_deletion`), unless ``plan`` found before the
+    lock that it deletes nothing (:func:`probe`) and still stands."""
+    if plan is not None and plan.stood and name in plan.empty:
+        return
+    table, using, where = _deletion(name)
+    conn.execute(f"DELETE FROM {table} AS t {'USING ' + using if using else ''} WHERE {where}", params)
+
+
+def probe(conn: duckdb.DuckDBPyConnection, plan: Prewritten, names, params: dict | None = None) -> None:
+    """Before the lock, against ``plan``'s snapshot: note in ``plan.empty`` which of the commit's
+    deletes ``names`` would delete nothing (they are skipped if the plan stands)."""
+    for name in names:
+        table, using, where = _deletion(name)
+        found = conn.execute(f"SELECT EXISTS (SELECT 1 FROM {table} AS t{', ' + using if using else ''} "
+                             f"WHERE {where})", params).fetchone()[0]
+        if found:
+            plan.empty.discard(name)
+        else:
+            plan.empty.add(name)
+
+
 def _snapshot(conn: duckdb.DuckDBPyConnection) -> int:
     return conn.execute(f"SELECT id FROM {CATALOG}.current_snapshot()").fetchone()[0]
 
 
-def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, reprocess: bool = False) -> Prewritten:
+def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, reprocess: bool = False,
+             inputs: list[str] | None = None) -> Prewritten:
     """Before the commit lock: decide against the latest snapshot what the batch loads, and
     write those rows of each data table to a Parquet file in the table's folder. The rows are
     not visible to anyone until a commit adds the file; a file no commit adds (the decision
-    changed, or the writer died) is an orphan, which ``maintain`` deletes after its grace."""
+    changed, or the writer died) is an orphan, which ``maintain`` deletes after its grace.
+    Also finds which of the commit's deletes have nothing to delete (:func:`probe`); with
+    ``inputs`` (the batch's input digests), the inputs' earlier records too."""
     with one_snapshot(conn):  # what it decides, it decides against one snapshot: the one it records
         plan = Prewritten(snapshot=_snapshot(conn))
         plan.has_rows = _plan(conn, reprocess)
         plan.reference = {table: changed_reference(conn, table) for table in REFERENCE_KEYS}
+        probe(conn, plan, [t for t in DATA_TABLES if plan.has_rows[t]] + ["feature_captures", "input_captures"])
+        if inputs is not None:
+            probe(conn, plan, ["quarantine", "raw_inputs"], {"shas": inputs})
         writing = []
         for table in DATA_TABLES:
             conn.execute(f"CREATE OR REPLACE TEMP TABLE planned_{table} AS SELECT _row, captured_at_ FROM incoming_{table}")
@@ -416,6 +473,7 @@ def prestats(conn: duckdb.DuckDBPyConnection, prewritten: Prewritten) -> bool:
             return False
         mark_changed_features(conn, prewritten.has_rows["activations"])
         compute_changed(conn, staged=STAGED_ACTIVATIONS)
+        prewritten.stats_empty = stats_without_rows(conn)
     prewritten.stats = True
     return True
 
@@ -451,16 +509,8 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
     loaded: dict[str, dict[str, int]] = {}
     for table in DATA_TABLES:
         incoming = f"incoming_{table}"
-        has_rows = has[table]
-        row_id = _ROW_IDS.get(table)
-        if has_rows:
-            claims = f"(SELECT * FROM applied WHERE table_name = '{table}')"
-            if row_id:
-                conn.execute(f"""
-                    DELETE FROM {table} AS t WHERE t.{row_id} IN (SELECT {row_id} FROM {incoming})
-                    OR EXISTS (SELECT 1 FROM {claims} a WHERE {_on('a', 't')})""")
-            else:
-                conn.execute(f"DELETE FROM {table} AS t USING {claims} AS a WHERE {_on('t', 'a')}")
+        if has[table]:
+            delete(conn, table, prewritten)
         path = prewritten.files.get(table) if prewritten is not None else None
         if path is not None and _as_planned(conn, table):
             conn.execute(f"CALL ducklake_add_data_files('{CATALOG}', '{table}', ?)", [path])
@@ -475,9 +525,7 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
                 {"now": now, "run_id": run_id},
             )
         loaded[table] = dict(conn.execute(f"SELECT input_sha256, count(*) FROM {incoming} GROUP BY 1").fetchall())
-    conn.execute("""DELETE FROM feature_captures AS t USING applied AS a
-                    WHERE t.model_id = a.model_id AND t.source_id = a.source_id
-                      AND t.feature_index = a.feature_index AND t.table_name = a.table_name""")
+    delete(conn, "feature_captures", prewritten)
     conn.execute("""INSERT INTO feature_captures BY NAME
                     SELECT model_id, source_id, feature_index, table_name, captured_at, input_sha256,
                            $run_id AS run_id, $now AS loaded_at FROM applied""",

@@ -112,8 +112,21 @@ def excerpt_from(prefix: str) -> str:
 _EXCERPT_COLUMNS = excerpt_columns()
 
 
+#: The per-feature statistics tables, and which of their rows a refresh replaces.
+_FEATURE_STATS = ("feature_activation_stats", "feature_token_stats")
+_CHANGED = "f.model_id = c.model_id AND f.source_id = c.source_id AND f.feature_index = c.feature_index"
+
+
+def stats_without_rows(conn: duckdb.DuckDBPyConnection) -> frozenset[str]:
+    """The per-feature statistics tables that hold no row of a feature in ``changed_features``
+    (new features): a refresh has nothing to delete there (see ``refresh_changed``)."""
+    return frozenset(table for table in _FEATURE_STATS if not conn.execute(
+        f"SELECT EXISTS (SELECT 1 FROM {table} f, changed_features c WHERE {_CHANGED})").fetchone()[0])
+
+
 def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
-                    staged: tuple[str, str, str] | None = None, computed: bool = False) -> MaterialiseResult:
+                    staged: tuple[str, str, str] | None = None, computed: bool = False,
+                    nothing_to_delete: frozenset[str] = frozenset()) -> MaterialiseResult:
     """Recompute stats for the features in the temp table ``changed_features(model_id,
     source_id, feature_index)`` and, with ``sources``, for their sources. The caller holds the
     transaction (ingest calls this inside each batch's load, so stats always match what is
@@ -127,7 +140,10 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
 
     ``computed``: the features' statistics are already in hand (:func:`compute_changed`, run
     before the commit lock against the snapshot this transaction still reads): only replace
-    their rows.
+    their rows. ``nothing_to_delete``: tables found then to hold none of their rows
+    (:func:`stats_without_rows`), whose delete is not run again.
+
+    Without ``sources``, the returned source rows are 0: none were written.
     """
     conn.execute(
         "CREATE OR REPLACE TEMP TABLE changed_sources AS "
@@ -136,12 +152,9 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
     # The changed features' (and sources') rows are all deleted, so the rows inserted are the
     # rows they now have: counted as inserted, not read back from the lake (a scan of the table
     # each, ~10 ms a statement in a load's transaction).
-    for table in ("feature_activation_stats", "feature_token_stats"):
-        conn.execute(
-            f"DELETE FROM {table} f USING changed_features c "
-            "WHERE f.model_id = c.model_id AND f.source_id = c.source_id "
-            "AND f.feature_index = c.feature_index"
-        )
+    for table in _FEATURE_STATS:
+        if table not in nothing_to_delete:
+            conn.execute(f"DELETE FROM {table} f USING changed_features c WHERE {_CHANGED}")
     if computed:
         (r_f,) = conn.execute("INSERT INTO feature_activation_stats BY NAME "
                               "SELECT * FROM new_feature_activation_stats").fetchone()
@@ -155,9 +168,7 @@ def refresh_changed(conn: duckdb.DuckDBPyConnection, sources: bool = True, *,
         )
         (r_s,) = conn.execute(f"INSERT INTO source_activation_stats BY NAME ({_sql('source_activation_stats')})").fetchone()
     else:
-        (r_s,) = conn.execute(
-            "SELECT count(*) FROM source_activation_stats SEMI JOIN changed_sources USING (model_id, source_id)"
-        ).fetchone()
+        r_s = 0  # none written (the caller refreshes the sources later)
     (n_f,) = conn.execute(
         "SELECT count(*) FROM (SELECT DISTINCT model_id, source_id, feature_index FROM changed_features)"
     ).fetchone()
