@@ -10,9 +10,18 @@ search``) does not pay for the ingest stages (Great Expectations, pandas) at sta
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+# DuckDB's allocator (jemalloc, on Linux) with one arena, unless the user configured it: set
+# before duckdb is first imported, which reads it once. An ingest reads a batch on its main
+# thread and writes it from its loader thread; with jemalloc's arenas per thread, the memory the
+# read freed stayed cached in the main thread's arena while the write grew another. Measured
+# here (2 cores): a 1 GiB export batch peaked at 2.26-2.43 GB, 1.98 GB with one arena, in the
+# same time; 1,000 pages in the same wall time (1.00, 3 alternating pairs), 1.12 against 1.13 GB.
+os.environ.setdefault("DUCKDB_JE_MALLOC_CONF", "narenas:1")
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Settings

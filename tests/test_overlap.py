@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 import threading
 from datetime import datetime, timedelta
 
@@ -199,3 +201,15 @@ def test_an_interrupt_while_a_batch_loads_waits_for_its_commit_then_records_the_
     status, n_features = query(settings, "SELECT status, n_features FROM runs")[0]
     assert status == "failed" and n_features == 1
     assert query(settings, "SELECT count(*) FROM features")[0][0] == 1
+
+
+def test_duckdbs_allocator_gets_one_arena_unless_the_user_configured_it():
+    """Set by the package before duckdb's first import (jemalloc reads it once): the loader
+    thread then reuses what the main thread's read freed. A value the user set is kept."""
+    code = "import os, pipeline, duckdb; print(os.environ.get('DUCKDB_JE_MALLOC_CONF'))"
+    env = {k: v for k, v in os.environ.items() if k != "DUCKDB_JE_MALLOC_CONF"}
+    ours = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ours.stdout.strip() == "narenas:1"
+    theirs = subprocess.run([sys.executable, "-c", code], env=env | {"DUCKDB_JE_MALLOC_CONF": "narenas:4"},
+                            capture_output=True, text=True, check=True)
+    assert theirs.stdout.strip() == "narenas:4"
