@@ -13,11 +13,12 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -75,6 +76,21 @@ BAD_LINE_CHECK = "export_line_is_json_object"
 
 class _Unreadable(Exception):
     "An input that cannot be read as a file."
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends (in the main thread, the one where Python
+    runs signal handlers; elsewhere the block runs as it is): a few statements that must not be
+    cut in two by a KeyboardInterrupt raised between them."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came is handled now
 
 
 def new_run_id(prefix: str = "run") -> str:
@@ -331,14 +347,19 @@ class _Run:
             return
         try:
             delta, counts = loading.result()
-        finally:
-            if loading.done():  # not when a signal interrupted the wait: close() waits again
+        except BaseException:
+            # the load failed: its error is raised here, once. (A signal that interrupted the
+            # wait leaves the batch for close() to wait for and count.)
+            if loading.done() and loading.exception() is not None:
                 self._loading = None
-        s = self.summary
-        if s.part is not None:
-            s.written = counts
-        for c, n in delta.items():
-            setattr(s, c, getattr(s, c) + n)
+            raise
+        with _signals_held():  # counted and forgotten together: a signal waits for both
+            s = self.summary
+            if s.part is not None:
+                s.written = counts
+            for c, n in delta.items():
+                setattr(s, c, getattr(s, c) + n)
+            self._loading = None
 
     def _settle_again(self, batch: _Batch) -> None:
         """Bytes taken before that came again: content dedup skips reading them, never the

@@ -203,6 +203,37 @@ def test_an_interrupt_while_a_batch_loads_waits_for_its_commit_then_records_the_
     assert query(settings, "SELECT count(*) FROM features")[0][0] == 1
 
 
+def test_a_signal_while_a_committed_batch_is_counted_counts_it_once(tmp_path, monkeypatch):
+    """SIGINT arrives in the main thread while it adds a committed batch's counts to the run's
+    (between two of them): the signal waits until all are added, so the part of a night recorded
+    as failed stores that batch's counts whole, once (a part stores its counts as it ends).
+    Without it, the counts after the signal were lost, or, had the batch been counted again,
+    doubled."""
+    import signal
+
+    from pipeline.lake.runstate import RunSummary
+
+    settings = _one_page_batches(tmp_path)
+    real_setattr, sent = RunSummary.__setattr__, []
+
+    def setattr_(self, name, value):
+        real_setattr(self, name, value)
+        if name == "n_activations" and value and not sent:  # the first batch's first count
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(RunSummary, "__setattr__", setattr_)
+    with pytest.raises(KeyboardInterrupt):
+        run_ingest(_pages(tmp_path / "in", 3), settings, run_id="run-signal", part=0)
+    assert sent
+    row = query(settings, "SELECT status, n_features, n_activations, n_quarantined, n_expectations FROM runs")[0]
+    committed = (query(settings, "SELECT count(*) FROM features")[0][0],
+                 query(settings, "SELECT count(*) FROM activations")[0][0],
+                 query(settings, "SELECT count(*) FROM quarantine")[0][0],
+                 query(settings, "SELECT count(*) FROM validation_results")[0][0])
+    assert row == ("failed", *committed) and committed[0] >= 1, (row, committed)
+
+
 def test_duckdbs_allocator_gets_one_arena_unless_the_user_configured_it():
     """Set by the package before duckdb's first import (jemalloc reads it once): the loader
     thread then reuses what the main thread's read freed. A value the user set is kept."""
