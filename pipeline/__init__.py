@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING, Any
 # read freed stayed cached in the main thread's arena while the write grew another. Measured
 # here (2 cores): a 1 GiB export batch peaked at 2.26-2.43 GB, 1.98 GB with one arena, in the
 # same time; 1,000 pages in the same wall time (1.00, 3 alternating pairs), 1.12 against 1.13 GB.
+# A process that imported duckdb before pipeline keeps DuckDB's default (the CLI, the DAG files
+# and deploy/airflow_local_settings.py import pipeline first). Not measured on more than 2 cores,
+# where DuckDB's worker threads share the one arena: set the variable to tune it there.
 os.environ.setdefault("DUCKDB_JE_MALLOC_CONF", "narenas:1")
 
 if TYPE_CHECKING:  # pragma: no cover
