@@ -75,11 +75,13 @@ class Settings:
     """Activations gathered before a batch is validated and loaded (bounds memory);
     `$FEATUREHOUSE_BATCH_ACTIVATIONS`."""
 
-    batch_bytes: int = 32 * 1024 * 1024
+    batch_bytes: int = 48 * 1024 * 1024
     """Input bytes gathered before a batch is validated and loaded (bounds memory: two batches
     are in hand at once, one loading while the next is read and validated). Measured on 2 cores,
-    1,000 pages (270 MB): 32 MiB as fast as 64 MiB, peak RSS 1.1 GB against 1.4-1.55 GB;
-    16 MiB slower (more fixed costs a batch); `$FEATUREHOUSE_BATCH_BYTES`."""
+    1,000 pages (270 MB), with DuckDB's allocator on one arena: 48 MiB 0.86 of 32 MiB's wall
+    (0.85 of its CPU; four alternating pairs), peak RSS 1.25-1.35 GB against 1.1 GB; 64 MiB no
+    faster than 48 (0.92, 0.79-1.12) at 1.35-1.45 GB, too near the 1.5 GB bound; 16 MiB slower
+    (more fixed costs a batch); `$FEATUREHOUSE_BATCH_BYTES`."""
 
     bytes_per_thread: int = 64 * 1024 * 1024
     """An ingest gives DuckDB one worker thread per this many input bytes of the batch in hand
