@@ -602,16 +602,16 @@ class _Run:
                 upsert_reference(conn, table, now, decided=prewritten.reference.get(table) if prewritten.stood else None)
             if self.materialise:  # stats of the features this batch changed, in the same snapshot
                 with s.timed("stats"):  # (computed before the lock, if no commit came in between)
-                    stood = prewritten.stats and prewritten.stood
                     materialise.refresh_changed(conn, sources=self.source_stats, staged=STAGED_ACTIVATIONS,
-                                                computed=stood, nothing_to_delete=prewritten.stats_empty if stood else frozenset())
+                                                computed=prewritten.stats and prewritten.stood,
+                                                nothing_to_delete=prewritten.skipped())
             gone = [dict(r, run_id=run_id, recorded_at=now) for r in superseded + older]
             insert_rows(conn, "superseded", gone)
             # An input parsed again (--reprocess) re-derives its quarantine: replace, never duplicate.
             delete(conn, "quarantine", prewritten, {"shas": shas})
             insert_rows(conn, "quarantine", quarantine)
             insert_rows(conn, "validation_results", results)
-            self._record_inputs(conn, batch, loaded, now, known=not (prewritten.stood and "raw_inputs" in prewritten.empty))
+            self._record_inputs(conn, batch, loaded, now, known="raw_inputs" not in prewritten.skipped())
             insert_values(conn, "run_inputs", run_inputs)
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),

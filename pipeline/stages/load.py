@@ -316,15 +316,17 @@ class Prewritten:
     stats: bool = False
     """Whether the statistics of the features it changes were computed against ``snapshot``
     (:func:`prestats`)."""
-    stats_empty: frozenset[str] = frozenset()
-    """The statistics tables holding no row of those features at ``snapshot``: nothing to
-    delete there while the plan stands."""
     stood: bool = False
     """Whether the last commit attempt found ``snapshot`` still the latest: its plan stood."""
     empty: set[str] = field(default_factory=set)
-    """The commit's deletes (by name, see :func:`delete`) that found nothing to delete at
-    ``snapshot``: skipped while the plan stands. Each is a scan of a table (its files read back,
-    from S3 when deployed) that would otherwise run under the commit lock."""
+    """The commit's deletes (by name, see :func:`delete`; the statistics tables', see
+    :func:`prestats`) that found nothing to delete at ``snapshot``: skipped while the plan
+    stands. Each is a scan of a table (its files read back, from S3 when deployed) that would
+    otherwise run under the commit lock."""
+
+    def skipped(self) -> frozenset[str]:
+        """The deletes this commit attempt skips: those found empty, if the plan stood."""
+        return frozenset(self.empty) if self.stood else frozenset()
 
     def unused(self) -> list[str]:
         return [path for table, path in self.files.items() if table not in self.used]
@@ -388,7 +390,7 @@ def delete(conn: duckdb.DuckDBPyConnection, name: str, plan: Prewritten | None =
            params: dict | None = None) -> None:
     """Run the commit's delete ``name`` (see :func:`_deletion`), unless ``plan`` found before the
     lock that it deletes nothing (:func:`probe`) and still stands."""
-    if plan is not None and plan.stood and name in plan.empty:
+    if plan is not None and name in plan.skipped():
         return
     table, using, where = _deletion(name)
     conn.execute(f"DELETE FROM {table} AS t {'USING ' + using if using else ''} WHERE {where}", params)
@@ -473,7 +475,7 @@ def prestats(conn: duckdb.DuckDBPyConnection, prewritten: Prewritten) -> bool:
             return False
         mark_changed_features(conn, prewritten.has_rows["activations"])
         compute_changed(conn, staged=STAGED_ACTIVATIONS)
-        prewritten.stats_empty = stats_without_rows(conn)
+        prewritten.empty |= stats_without_rows(conn)
     prewritten.stats = True
     return True
 
