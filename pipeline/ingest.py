@@ -82,15 +82,26 @@ class _Unreadable(Exception):
 def _signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM wait until the block ends (in the main thread, the one where Python
     runs signal handlers; elsewhere the block runs as it is): a few statements that must not be
-    cut in two by a KeyboardInterrupt raised between them."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    cut in two by a KeyboardInterrupt raised between them. The handlers are swapped for one that
+    notes the signal, then put back, and a signal that came is raised again for them. (Masking
+    the signal in the main thread is not enough: the kernel hands a process's signal to another
+    thread, and Python still runs its handler in the main thread.)"""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    came: list[int] = []
+    before = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:  # (None: not set from Python, so it cannot be put back)
+            before[sig] = signal.signal(sig, lambda signum, frame: came.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # a signal that came is handled now
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        for sig in came:
+            signal.raise_signal(sig)  # handled now, by the handler it was meant for
 
 
 def new_run_id(prefix: str = "run") -> str:
