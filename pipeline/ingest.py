@@ -563,8 +563,11 @@ class _Run:
         conn.unregister("_failed")
 
         raw_by_row = {}
+        set_aside = {q["input_sha256"] for q in batch.bad_lines}  # files whose rows are not their lines
+        export_files = {landed.sha256: Path(landed.path) for group in batch.exports.values() for landed in group
+                        if not is_s3(landed.path) and landed.sha256 not in set_aside}
         for table in _DATA_TABLES:
-            raws = stage.raw_records(conn, table, [r for t, r in failed if t == table])
+            raws = stage.raw_records(conn, table, [r for t, r in failed if t == table], export_files)
             raw_by_row.update({(table, r): v for r, v in raws.items()})
         quarantine = [dict(q, run_id=run_id, quarantined_at=now) for q in batch.bad_lines]
         for q in outcome.quarantine:

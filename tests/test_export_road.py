@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -216,7 +217,35 @@ def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_va
                                             "WHERE check_name <> 'export_line_is_json_object' GROUP BY 1"))
     assert "activation_feature_key_present" in checks[no_index["id"]]
     assert any("activation_id_present" in c for c in checks.values())  # the {} line
+    # Lines were set aside, so the file's rows are not its lines: its records are kept as typed.
+    [(kept,)] = query(settings.warehouse, "SELECT DISTINCT record_json FROM quarantine WHERE record_key = ?",
+                      [no_index["id"]])
+    typed = orjson.loads(kept)
+    assert typed["tokens"] == no_index["tokens"] and typed["index"] is None and "input_sha256" in typed
     assert summary.n_activations == 12 - 5  # 12 lines: 2 bad, 1 blank, 2 refused by validation
+
+
+def test_a_quarantined_export_record_is_its_line_as_received(tmp_path, no_python_road_for_gzip):
+    """The record kept is its line byte for byte (this spacing is not DuckDB's), found by its
+    position among its file's non-blank lines, in each of two files of one batch."""
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    expected = {}
+    for batch in (0, 1):
+        key, lines = _activation_lines(objects, batch)
+        row = orjson.loads(lines[2 + batch])
+        row["index"] = "five"
+        lines[2 + batch] = json.dumps(row, separators=(", ", ": ")).encode()
+        lines[1:1] = [b"", b"  "]  # blank lines before it: no rows
+        objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+        expected[row["id"]] = lines[4 + batch].decode()
+    _write_bucket(objects, tmp_path / "in", plain=False)
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert (summary.n_rejected, summary.n_activations) == (0, 22)
+    kept = dict(query(settings.warehouse, "SELECT DISTINCT record_key, record_json FROM quarantine"))
+    assert kept == expected
 
 
 def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkeypatch):

@@ -49,7 +49,7 @@ from .records import (
 )
 
 __all__ = [
-    "PAGE_KEY_BYTES", "Rejected", "json_text", "parse_bytes", "check_page", "json_view", "gunzip_limited", "gunzip_measure",
+    "PAGE_KEY_BYTES", "Rejected", "json_text", "parse_bytes", "check_page", "json_view", "gunzip_limited", "gunzip_measure", "open_gzip",
     "first_line",
     "first_lines",
 ]
@@ -111,6 +111,11 @@ def gunzip_limited(data: bytes, limit: int) -> bytes:
 #: Keys only a whole feature page has, as they appear in its JSON (the unescaped quote before the
 #: colon cannot occur inside a string value): an export file holding one is refused.
 PAGE_KEY_BYTES = (b'"activations":', b'"explanations":')
+
+
+def open_gzip(path: Path) -> IO[bytes]:
+    """A local gzip file as a binary stream, with ISA-L's gzip where installed."""
+    return (_igzip or gzip).open(path, "rb")
 
 
 def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes, ...] = ()) -> tuple[int, int]:
