@@ -507,11 +507,26 @@ class _Run:
             self._warming.join()
             self._warming = None
 
+    @staticmethod
+    def _warm_charts() -> None:
+        """Start the report's chart drawer (vl-convert's JavaScript engine: ~0.4 s of one core
+        on the first chart a process draws) in the main thread, which has nothing else to do
+        while the loader thread writes and commits the last batch. Only then: a run with no
+        batch to load (an unchanged re-run) draws no chart."""
+        from .outputs import report
+
+        try:
+            report.warm_charts()
+        except Exception:  # the report draws its charts itself, or says why it cannot
+            log.debug("could not start the chart drawer ahead of the report", exc_info=True)
+
     def close(self, failed: bool = False) -> None:
         """Wait for the threads; ``failed``: the run is failing already, so an error of the batch
         loading is logged, not raised (the first error is the run's)."""
         self.digests.close()
         self._warmed_up()
+        if not failed and self.report_after and self._loading is not None and not self._loading.done():
+            self._warm_charts()  # while the last batch loads: the report then draws at once
         while failed and self._loading is not None and not self._loading.done():
             # the run is failing (a signal, often): the batch loading shares this connection,
             # so the run is recorded only once it is done; a second signal does not cut that short

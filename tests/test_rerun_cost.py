@@ -335,3 +335,22 @@ def test_a_report_written_inside_a_callers_transaction_leaves_it_and_its_temp_ta
         assert conn.execute("SELECT count(*) FROM mine").fetchone() == (3,)
         assert conn.execute("SELECT v FROM report_stats").fetchall() == [("the caller's",)]
         assert not conn.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name LIKE '_report_%'").fetchone()[0]
+
+
+def test_the_chart_drawer_starts_while_the_last_batch_loads_and_its_failure_fails_nothing(tmp_path, monkeypatch):
+    """ingest starts vl-convert's engine in the main thread while the loader thread writes the
+    last batch (~0.4 s off the report at the end); if that fails, the run and its report do not."""
+    from pipeline.outputs import report
+
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise RuntimeError("no JavaScript engine here")
+
+    monkeypatch.setattr(report, "warm_charts", broken)
+    s = ingest([FIXTURES], _settings(tmp_path), progress=False)
+    assert calls == [1], "the drawer was not started while the last batch loaded"
+    assert s.status == "succeeded" and s.n_loaded == 1
+    page = Path(s.report_path).read_text()
+    assert page.count("<svg") >= 2, "the report drew no charts"

@@ -37,7 +37,7 @@ from ..names import BadRunId, check_run_id
 from ..stages import validate
 
 __all__ = ["VERDICT_RULES", "Verdict", "verdict", "recent_runs", "write_report", "report_run", "NoRuns",
-           "RunNotFound"]
+           "RunNotFound", "warm_charts"]
 
 log = logging.getLogger("featurehouse")
 
@@ -405,6 +405,18 @@ def _theme(chart):
 
 
 _counter = itertools.count()
+
+#: The smallest chart: drawing it starts vl-convert's engine (see :func:`warm_charts`).
+_TINY_SPEC = {"data": {"values": [{"x": 1}]}, "mark": "point", "encoding": {"x": {"field": "x", "type": "quantitative"}}}
+
+
+def warm_charts() -> None:
+    """Draw one tiny chart, so that the process's first real chart does not pay for starting
+    vl-convert's JavaScript engine (~0.4 s of one core; the engine is the process's, whichever
+    thread draws). ``ingest`` calls it while its last batch loads."""
+    import vl_convert as vlc
+
+    vlc.vegalite_to_svg(_TINY_SPEC)
 
 
 def _svg_cached(chart, cache: Path | None = None) -> str:
