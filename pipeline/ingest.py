@@ -9,6 +9,7 @@ validated and loaded in batches (``settings.batch_bytes`` of input or
 
 from __future__ import annotations
 
+import _imp
 import contextlib
 import logging
 import os
@@ -76,6 +77,58 @@ BAD_LINE_CHECK = "export_line_is_json_object"
 
 class _Unreadable(Exception):
     "An input that cannot be read as a file."
+
+
+@contextlib.contextmanager
+def _signals_watched() -> Iterator[list[tuple[int, Any, bool]]]:
+    """Watch SIGINT and SIGTERM for the run (main thread only; the handlers are wrapped, then
+    put back), for :func:`_stop_if_signalled`, against two ways a signal failed to stop it:
+
+    - A handler raises in the main thread, but raised inside a DuckDB statement its exception
+      becomes an Exception ("Query interrupted") that a step forgiving errors (the housekeeping of
+      abandoned runs) caught, and the run went on to the end and exited 0. A signal whose
+      handler raised is noted, and raised again at the next point the run may stop.
+    - Raised inside an import (DuckDB imports ``pyarrow.dataset`` on first use, beside the
+      thread importing Great Expectations), right after the interpreter's import lock was taken,
+      the exception left that lock held for ever, and DuckDB swallowed the exception: every
+      later import waited, the run hung. While the import lock is held the handler does not run;
+      the signal is noted, and handled at the next point the run may stop.
+
+    (Both found by the SIGTERM test, which failed about one run in three.)"""
+    came: list[tuple[int, Any, bool]] = []  # (signal, its handler, whether the handler raised)
+    if threading.current_thread() is not threading.main_thread():
+        yield came
+        return
+    before = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if callable(handler):
+            def noted(signum, frame, handler=handler):
+                if _imp.lock_held():
+                    came.append((signum, handler, False))
+                    return
+                try:
+                    handler(signum, frame)
+                except BaseException:
+                    came.append((signum, handler, True))
+                    raise
+            before[sig] = signal.signal(sig, noted)
+    try:
+        yield came
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _stop_if_signalled(came: list[tuple[int, Any, bool]]) -> None:
+    """At a point where the run may stop: run the handler of a signal that came inside an
+    import, and raise again a signal whose handler raised while the run went on (it was caught
+    on the way); see :func:`_signals_watched`."""
+    while came:
+        signum, handler, raised = came.pop(0)
+        handler(signum, None)
+        if raised:  # (a handler that raised once and not now)
+            raise KeyboardInterrupt(f"signal {signum}")
 
 
 @contextlib.contextmanager
@@ -226,6 +279,7 @@ class _Run:
         self.spare: duckdb.DuckDBPyConnection | None = None  # the second connection, made when needed
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="load")
         self._loading: Future | None = None  # the batch loading in the loader thread
+        self.signals: list[tuple[int, Any, bool]] = []  # see _signals_watched
         # the thread starts now: started by the first batch's submit, a signal inside
         # Thread.start could leave a thread loading that the pool does not know to wait for
         self._load_pool.submit(int).result()
@@ -307,6 +361,7 @@ class _Run:
                     superseded = claim_captures(conn)
                 with timed("validate"):
                     outcome = self._validate(now)
+            _stop_if_signalled(self.signals)  # not a batch read or judged across a signal
         except BaseException:
             self._warmed_up()
             self._forget(conn, batch)
@@ -565,24 +620,37 @@ class _Run:
         if s.part is not None:
             s.written = counts
 
-    def _bookkeeping(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, outcome: validate.ValidationOutcome,
-                     now, batch_no: int) -> tuple[list, list, list, list]:
-        """What the commit records beside the rows, prepared before it (none of it needs the
-        committed state): the failed rows (also as the temp table ``failed_rows``), the
-        quarantined records as received, the expectation results and the run's inputs."""
-        run_id = self.summary.run_id
+    @staticmethod
+    def _failed_rows(conn: duckdb.DuckDBPyConnection, outcome: validate.ValidationOutcome) -> list[tuple[str, int]]:
+        """The staged rows Great Expectations refused, ``(table, _row)``, also as the temp table
+        ``failed_rows`` (the batch's write leaves them out)."""
         failed = sorted({(q["table"], q["row"]) for q in outcome.quarantine})
         conn.register("_failed", pa.table({"tbl": pa.array([t for t, _ in failed], pa.string()),
                                            "_row": pa.array([r for _, r in failed], pa.int64())}))
         conn.execute("CREATE OR REPLACE TEMP TABLE failed_rows AS SELECT * FROM _failed")
         conn.unregister("_failed")
+        return failed
 
+    @staticmethod
+    def _export_files(batch: _Batch) -> dict[str, Path]:
+        """The batch's local export files whose rows are their lines (none of them set aside)."""
+        set_aside = {q["input_sha256"] for q in batch.bad_lines}
+        return {landed.sha256: Path(landed.path) for group in batch.exports.values() for landed in group
+                if not is_s3(landed.path) and landed.sha256 not in set_aside}
+
+    def _bookkeeping(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, outcome: validate.ValidationOutcome,
+                     now, batch_no: int, failed: list[tuple[str, int]],
+                     lines: dict[str, dict[int, tuple[str, str]]]) -> tuple[list, list, list]:
+        """What the commit records beside the rows, prepared before it (none of it needs the
+        committed state): the quarantined records as received (``lines``: the refused export
+        rows' lines, cut out of their files per table), the expectation results and the run's
+        inputs."""
+        run_id = self.summary.run_id
         raw_by_row = {}
-        set_aside = {q["input_sha256"] for q in batch.bad_lines}  # files whose rows are not their lines
-        export_files = {landed.sha256: Path(landed.path) for group in batch.exports.values() for landed in group
-                        if not is_s3(landed.path) and landed.sha256 not in set_aside}
+        export_files = self._export_files(batch)
         for table in _DATA_TABLES:
-            raws = stage.raw_records(conn, table, [r for t, r in failed if t == table], export_files)
+            raws = stage.raw_records(conn, table, [r for t, r in failed if t == table], export_files,
+                                     lines=lines.get(table, {}))
             raw_by_row.update({(table, r): v for r, v in raws.items()})
         quarantine = [dict(q, run_id=run_id, quarantined_at=now) for q in batch.bad_lines]
         for q in outcome.quarantine:
@@ -598,7 +666,7 @@ class _Run:
              "outcome": "rejected" if reason else "loaded"}
             for landed, _, reason in batch.inputs
         ]
-        return failed, quarantine, results, run_inputs
+        return quarantine, results, run_inputs
 
     def _load(self, conn: duckdb.DuckDBPyConnection, batch: _Batch, outcome: validate.ValidationOutcome,
               superseded: list[dict], now, batch_no: int, base: dict[str, int]) -> tuple[dict, dict]:
@@ -609,19 +677,32 @@ class _Run:
         this batch (the main thread counts the next one meanwhile). Returns what it loaded and
         the counts it stored."""
         s, run_id = self.summary, self.summary.run_id
-        failed, quarantine, results, run_inputs = self._bookkeeping(conn, batch, outcome, now, batch_no)
+        failed = self._failed_rows(conn, outcome)
         shas = [landed.sha256 for landed, _, _ in batch.inputs]
+        # The refused export rows' lines are cut out of their gzip files (a second or two of one
+        # core for a 1 GiB batch) in a thread, beside the batch's Parquet write, whose end runs
+        # on one core; the plan reads the staged table, so it is made here, before the write.
+        export_files = self._export_files(batch)
+        plans = {t: stage.plan_export_lines(conn, t, [r for tt, r in failed if tt == t], export_files)
+                 for t in _DATA_TABLES}
+        with contextlib.ExitStack() as stack:
+            cutting = {}
+            if any(p.wanted for p in plans.values()):
+                pool = stack.enter_context(futures.ThreadPoolExecutor(1, thread_name_prefix="cut-lines"))
+                cutting = {t: pool.submit(stage.cut_export_lines, p) for t, p in plans.items() if p.wanted}
 
-        # The batch's rows are written before the commit lock is taken; the commit adds the
-        # files to the catalog (and writes the rows itself only where another writer's commit
-        # since changed what loads): the lock is held for metadata, not for writing data.
-        with s.timed("write"):
-            prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess, inputs=shas)
-        if batch.retimes:
-            prewritten.snapshot = -1  # the commit moves capture times first: it decides again after
-        elif self.materialise:  # the changed features' statistics too, before the lock
-            with s.timed("stats"):
-                prestats(conn, prewritten)
+            # The batch's rows are written before the commit lock is taken; the commit adds the
+            # files to the catalog (and writes the rows itself only where another writer's
+            # commit since changed what loads): the lock is held for metadata, not for writing.
+            with s.timed("write"):
+                prewritten = prewrite(conn, now, run_id, reprocess=self.reprocess, inputs=shas)
+            if batch.retimes:
+                prewritten.snapshot = -1  # the commit moves capture times first: it decides again after
+            elif self.materialise:  # the changed features' statistics too, before the lock
+                with s.timed("stats"):
+                    prestats(conn, prewritten)
+            lines = {t: f.result() for t, f in cutting.items()}
+        quarantine, results, run_inputs = self._bookkeeping(conn, batch, outcome, now, batch_no, failed, lines)
 
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
             retime(conn, batch.retimes)
@@ -883,55 +964,60 @@ def ingest(
     started = time.monotonic()
     conn = warehouse.connect(settings, create=True)
     run_started: _Run | None = None
-    try:
-        try:  # housekeeping the next run redoes: it never stops this one
-            runstate.mark_abandoned(conn, settings, by=run_id)
-        except Exception:
-            log.exception("could not mark the abandoned runs of this host")
-        runstate.start_run(conn, settings, summary, trigger)
-        run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats, report_after)
-        run_started = run
-        batch = _Batch()
-        show = progress if progress is not None else (total is None or total > 20)
-        with tqdm(total=total, unit="input", disable=not show, desc="ingest") as bar:
-            for item in todo:
-                with summary.timed("land"):
-                    run.take(item, batch)
-                bar.update(1)
-                if (batch.n_activations >= settings.batch_activations or batch.n_bytes >= settings.batch_bytes
-                        or len(batch) >= _MAX_INPUTS_PER_BATCH):
-                    run.flush(batch)
-                    batch = _Batch()
-                bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
-            run.flush(batch)
-        run.close()
-        run.use_threads(run.n_bytes)  # the statistics and the report: as large as the run
-        summary.status = "succeeded"
-    except BaseException as exc:
-        summary.status = "failed"
-        if run_started is not None:
-            run_started.close(failed=True)
-        with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open
-            conn.execute("ROLLBACK")
-        with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
-            conn.execute(f"USE {warehouse.CATALOG}")
+    with _signals_watched() as came:  # a signal a step caught on the way still stops the run
         try:
-            runstate.finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
-            exc.add_note(f"run {run_id} is recorded as failed")
-        except Exception as record_exc:
-            log.error("could not record that run %s failed", run_id, exc_info=not disk_full(record_exc))
-            exc.add_note(f"run {run_id} could not be recorded as failed ({str(record_exc).splitlines()[0]}); "
-                         "the next ingest on this host records it as abandoned")
-        if report_after and isinstance(exc, Exception) and not disk_full(exc):  # none can be written then
+            try:  # housekeeping the next run redoes: it never stops this one
+                runstate.mark_abandoned(conn, settings, by=run_id)
+            except Exception:
+                log.exception("could not mark the abandoned runs of this host")
+            _stop_if_signalled(came)
+            runstate.start_run(conn, settings, summary, trigger)
+            run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats, report_after)
+            run.signals = came
+            run_started = run
+            batch = _Batch()
+            show = progress if progress is not None else (total is None or total > 20)
+            with tqdm(total=total, unit="input", disable=not show, desc="ingest") as bar:
+                for item in todo:
+                    with summary.timed("land"):
+                        run.take(item, batch)
+                    _stop_if_signalled(came)
+                    bar.update(1)
+                    if (batch.n_activations >= settings.batch_activations or batch.n_bytes >= settings.batch_bytes
+                            or len(batch) >= _MAX_INPUTS_PER_BATCH):
+                        run.flush(batch)
+                        batch = _Batch()
+                    bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
+                run.flush(batch)
+            run.close()
+            run.use_threads(run.n_bytes)  # the statistics and the report: as large as the run
+            _stop_if_signalled(came)
+            summary.status = "succeeded"
+        except BaseException as exc:
+            summary.status = "failed"
+            if run_started is not None:
+                run_started.close(failed=True)
+            with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open
+                conn.execute("ROLLBACK")
+            with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
+                conn.execute(f"USE {warehouse.CATALOG}")
+            try:
+                runstate.finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
+                exc.add_note(f"run {run_id} is recorded as failed")
+            except Exception as record_exc:
+                log.error("could not record that run %s failed", run_id, exc_info=not disk_full(record_exc))
+                exc.add_note(f"run {run_id} could not be recorded as failed ({str(record_exc).splitlines()[0]}); "
+                             "the next ingest on this host records it as abandoned")
+            if report_after and isinstance(exc, Exception) and not disk_full(exc):  # none can be written then
+                write_run_report(conn, summary, settings)
+            conn.close()
+            raise
+        summary.seconds = round(time.monotonic() - started, 3)
+        runstate.finish_run(conn, settings, summary)
+        if report_after:
             write_run_report(conn, summary, settings)
         conn.close()
-        raise
-    summary.seconds = round(time.monotonic() - started, 3)
-    runstate.finish_run(conn, settings, summary)
-    if report_after:
-        write_run_report(conn, summary, settings)
-    conn.close()
-    return summary
+        return summary
 
 
 def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
