@@ -252,8 +252,9 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
                                        f"stopped\n{_with_notes(exc, first=False)}") from None
         raise
     except BaseException:
-        if _TERMINATED:  # ingest has recorded the run as failed
-            click.echo("featurehouse: ingest terminated by SIGTERM; the run is recorded as failed", err=True)
+        if _TERMINATED:  # ingest has recorded the run (as failed, unless only its report was left)
+            notes = "; ".join(getattr(sys.exc_info()[1], "__notes__", ())) or "the run is recorded as failed"
+            click.echo(f"featurehouse: ingest terminated by SIGTERM; {notes}", err=True)
             sys.exit(128 + _TERMINATED[0])
         raise
     # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs

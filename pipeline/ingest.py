@@ -1014,8 +1014,15 @@ def ingest(
             raise
         summary.seconds = round(time.monotonic() - started, 3)
         runstate.finish_run(conn, settings, summary)
-        if report_after:
-            write_run_report(conn, summary, settings)
+        try:
+            if report_after:
+                write_run_report(conn, summary, settings)
+            _stop_if_signalled(came)  # one that came during the report stops the process too
+        except BaseException as exc:  # a signal: the run is done and recorded
+            exc.add_note(f"run {run_id} is recorded as succeeded (its data is loaded); its report may not be "
+                         f"written: `featurehouse report --run {run_id}` writes it")
+            conn.close()
+            raise
         conn.close()
         return summary
 

@@ -153,6 +153,45 @@ def test_a_sigterm_that_duckdb_turned_into_an_error_a_step_forgave_still_stops_t
     assert query(settings.warehouse, "SELECT count(*) FROM features") == [(0,)]
 
 
+@pytest.mark.parametrize("inside_duckdb", [False, True])
+def test_a_sigterm_during_the_report_stops_the_process_and_says_the_run_succeeded(tmp_path, monkeypatch, inside_duckdb):
+    """After the run is recorded as succeeded only its report is left: a SIGTERM then still stops
+    the process (the report forgave DuckDB's "Query interrupted" and the run exited 0), and the
+    error says the run succeeded, not that it failed."""
+    from pipeline.outputs import report
+
+    real = report.write_report
+
+    def signalled(conn, *args, **kwargs):
+        if inside_duckdb:
+            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+            timer.start()
+            try:
+                conn.execute("SELECT count(*) FROM range(10000000000) t(i) WHERE hash(i) = 0").fetchall()
+            finally:
+                timer.cancel()
+        else:
+            signal.raise_signal(signal.SIGTERM)
+        return real(conn, *args, **kwargs)
+
+    monkeypatch.setattr(report, "write_report", signalled)
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    settings = Settings(warehouse=tmp_path / "wh")
+    try:
+        with pytest.raises(_Stopped) as info:
+            run_ingest([write(tmp_path / "in" / "p.json", orjson.dumps(synthetic_page(1)))], settings,
+                       report_after=True)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert any("is recorded as succeeded" in n for n in info.value.__notes__), info.value.__notes__
+    assert query(settings.warehouse, "SELECT status FROM runs") == [("succeeded",)]
+    assert query(settings.warehouse, "SELECT count(*) FROM features") == [(1,)]
+
+
 def test_a_signal_inside_an_import_is_handled_after_it_not_inside_it():
     """Raised right after the interpreter took its import lock (DuckDB importing pyarrow.dataset
     on first use), a SIGTERM handler's exception left the lock held for ever and every later
