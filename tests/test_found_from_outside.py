@@ -125,8 +125,8 @@ def test_a_sigterm_that_duckdb_turned_into_an_error_a_step_forgave_still_stops_t
     else:  # a step that forgives DuckDB's errors and goes on, as the housekeeping does
         real = stage.read_api_json
 
-        def forgiving(conn, files):
-            read = real(conn, files)
+        def forgiving(conn, files, **kwargs):
+            read = real(conn, files, **kwargs)
             try:
                 interrupted(lambda conn: None)(conn)
             except Exception:  # (DuckDB's "Query interrupted" is a RuntimeError)

@@ -354,3 +354,38 @@ def test_the_chart_drawer_starts_while_the_last_batch_loads_and_its_failure_fail
     assert s.status == "succeeded" and s.n_loaded == 1
     page = Path(s.report_path).read_text()
     assert page.count("<svg") >= 2, "the report drew no charts"
+
+
+def test_the_report_is_prepared_while_the_last_batch_writes_its_files(tmp_path, monkeypatch):
+    """vl-convert holds the GIL while it draws: ingest starts the chart drawer only once the
+    loader thread is inside the write of the last batch's files (a statement without the GIL),
+    not while the loader runs the small statements before it; the run's Data Docs pages are
+    built there too, so the report at the end finds them built."""
+    import importlib
+
+    from pipeline.outputs import report
+    from pipeline.stages import validate
+
+    ingest_mod = importlib.import_module("pipeline.ingest")
+    events: list[str] = []
+    real_prewrite, real_docs = ingest_mod.prewrite, validate.build_data_docs
+
+    def prewrite(*args, on_write=None, **kwargs):
+        def noted():
+            events.append("write begins")
+            if on_write is not None:
+                on_write()
+        return real_prewrite(*args, on_write=noted, **kwargs)
+
+    def docs(*args, **kwargs):
+        events.append("data docs")
+        return real_docs(*args, **kwargs)
+
+    monkeypatch.setattr(ingest_mod, "prewrite", prewrite)
+    monkeypatch.setattr(report, "warm_charts", lambda: events.append("charts"))
+    monkeypatch.setattr(validate, "build_data_docs", docs)
+    s = ingest([FIXTURES], _settings(tmp_path), progress=False)
+    assert s.status == "succeeded"
+    assert events[:3] == ["write begins", "charts", "data docs"], events
+    page = Path(s.report_path).read_text()
+    assert "validations/" in page, "the report does not link the run's Data Docs pages"

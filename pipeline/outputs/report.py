@@ -413,10 +413,11 @@ _TINY_SPEC = {"data": {"values": [{"x": 1}]}, "mark": "point", "encoding": {"x":
 def warm_charts() -> None:
     """Draw one tiny chart, so that the process's first real chart does not pay for starting
     vl-convert's JavaScript engine (~0.4 s of one core; the engine is the process's, whichever
-    thread draws). ``ingest`` calls it while its last batch loads."""
+    thread draws), and import Altair. ``ingest`` calls it while its last batch loads."""
     import vl_convert as vlc
 
     vlc.vegalite_to_svg(_TINY_SPEC)
+    _alt()
 
 
 def _svg_cached(chart, cache: Path | None = None) -> str:

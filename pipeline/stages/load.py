@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -411,13 +412,14 @@ def _snapshot(conn: duckdb.DuckDBPyConnection) -> int:
 
 
 def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, reprocess: bool = False,
-             inputs: list[str] | None = None) -> Prewritten:
+             inputs: list[str] | None = None, on_write: Callable[[], None] | None = None) -> Prewritten:
     """Before the commit lock: decide against the latest snapshot what the batch loads, and
     write those rows of each data table to a Parquet file in the table's folder. The rows are
     not visible to anyone until a commit adds the file; a file no commit adds (the decision
     changed, or the writer died) is an orphan, which ``maintain`` deletes after its grace.
     Also finds which of the commit's deletes have nothing to delete (:func:`probe`); with
-    ``inputs`` (the batch's input digests), the inputs' earlier records too."""
+    ``inputs`` (the batch's input digests), the inputs' earlier records too. ``on_write`` is
+    called as the files' write (one statement per table, without the GIL) begins."""
     with one_snapshot(conn):  # what it decides, it decides against one snapshot: the one it records
         plan = Prewritten(snapshot=_snapshot(conn))
         plan.has_rows = _plan(conn, reprocess)
@@ -431,6 +433,8 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
             if conn.execute(f"SELECT EXISTS (FROM incoming_{table})").fetchone()[0]:
                 writing.append(table)
         folders = _table_folders(conn, writing)
+        if on_write is not None:
+            on_write()
         for table in writing:
             folder = folders[table]
             if "://" not in folder:

@@ -53,7 +53,7 @@ from .records import (
 )
 
 __all__ = [
-    "STAGED_TABLES", "read_api_json", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "stage_parsed", "create_views",
+    "STAGED_TABLES", "read_api_json", "exact_activations", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "stage_parsed", "create_views",
     "keep_staged", "raw_records", "ExportLines", "plan_export_lines", "cut_export_lines", "drop",
 ]
 
@@ -124,8 +124,9 @@ def _numbers_only(v: Any) -> bool:
     return type(v) is list and all(type(x) is int or type(x) is float for x in v)
 
 
-def _read_exactly(data: bytes) -> bool:
-    """Whether DuckDB's typed read of a one-line page gives what the Python road makes of it.
+def exact_activations(data: bytes) -> int | None:
+    """The number of activations of a one-line page whose typed read by DuckDB gives what the
+    Python road makes of it; None for a page it would not (the Python road reads it).
 
     The page must pass the structural check both roads run (``parse.check_page``: else the
     Python road refuses it, with the reason), and its number lists hold only numbers: read_json
@@ -137,21 +138,30 @@ def _read_exactly(data: bytes) -> bool:
         page = json_view(data)
         check_page(page, "JSON input")
     except Rejected:
-        return False
+        return None
     if type(page) is not simdjson.Object:
         # simdjson refused a number (an integer past 64 bits, 1e400, NaN): DuckDB would keep its
         # digits as text where Python reads a float, or refuses it; the Python road decides
-        return False
+        return None
     # a field the typed read does not know would be lost: the Python road keeps it in `extra`
     if unlisted_fields(page.keys(), FEATURE_COLUMN_FIELDS | PAGE_RELATIONS, FEATURE_EXTRA_FIELDS):
-        return False
+        return None
     for kind, columns, listed in (("activations", ACTIVATION_COLUMN_FIELDS, ACTIVATION_EXTRA_FIELDS),
                                   ("explanations", EXPLANATION_COLUMN_FIELDS, EXPLANATION_EXTRA_FIELDS)):
         if any(unlisted_fields(x.keys(), columns, listed) for x in (page.get(kind) or ())):
-            return False
-    return all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS) and all(
-        _numbers_only(a.get(k)) for a in (page.get("activations") or ()) for k in _ACTIVATION_NUMBER_LISTS
-    )
+            return None
+    activations = page.get("activations") or ()
+    if all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS) and all(
+        _numbers_only(a.get(k)) for a in activations for k in _ACTIVATION_NUMBER_LISTS
+    ):
+        return len(activations)
+    return None
+
+
+def _read_exactly(data: bytes) -> bool:
+    """Whether DuckDB's typed read of a one-line page gives what the Python road makes of it
+    (:func:`exact_activations`)."""
+    return exact_activations(data) is not None
 
 
 #: A time of day followed by a UTC offset or ``Z`` (``04:30:34.656+02:00``, ``04:30Z``, ``10:00-05``).
@@ -176,18 +186,20 @@ def _drop_keys(expr: str, keys: list[str]) -> str:
     return f"CAST(json_merge_patch({expr}, '{patch}') AS VARCHAR)"
 
 
-def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]]) -> set[str]:
+def read_api_json(conn: duckdb.DuckDBPyConnection, files: list[tuple[str, Path]], *, checked: bool = False) -> set[str]:
     """Read single-line API-JSON pages with DuckDB into the temp table ``fast_pages``.
 
     ``files`` pairs each input's sha256 with its landed path. Returns the digests read cleanly
     (exactly one object with a model, a source and a numeric index, read exactly as the Python
     road would: ``_read_exactly``); the others are not read, or removed from ``fast_pages``, and
-    must take the Python road.
+    must take the Python road. ``checked``: the caller found each file's bytes read exactly
+    (``exact_activations``, on the bytes it held), so the files are not read and checked again.
     """
     conn.execute("CREATE OR REPLACE TEMP TABLE fast_files (path VARCHAR, input_sha256 VARCHAR, _page BIGINT)")
     columns = ", ".join(f'"{name}" {sql_type}' for name, sql_type in _PAGE_COLUMNS.items())
     conn.execute(f"CREATE OR REPLACE TEMP TABLE fast_pages (input_sha256 VARCHAR, _page BIGINT, {columns})")
-    files = [(sha, path) for sha, path in files if _read_exactly(Path(path).read_bytes())]
+    if not checked:
+        files = [(sha, path) for sha, path in files if _read_exactly(Path(path).read_bytes())]
     if not files:
         return set()
     conn.register("_fast_files", pa.table({

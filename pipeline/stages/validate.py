@@ -309,18 +309,24 @@ def _suites() -> tuple[dict, dict]:
         return _gx()
 
 
+def _check_frame(conn: duckdb.DuckDBPyConnection, table: str):
+    """The staged ``table``'s check columns, a pandas frame for Great Expectations."""
+    if table == "activations":
+        # One pass over the batch's token and value lists: the checks, and beside them what
+        # the statistics need (the load reads it back for the rows that load).
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_activation_checks AS {_ACTIVATION_CHECKS_AND_EXCERPTS}")
+        return conn.sql(f"SELECT * EXCLUDE ({', '.join('x_' + n for n, _ in EXCERPT)}) "
+                        "FROM stage_activation_checks").df()
+    return conn.sql(_CHECK_SQL[table]).df()
+
+
 def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], outcome: ValidationOutcome) -> None:
     # Great Expectations (~3 s of CPU to import) only once a table has records to judge: a batch
     # whose every input was refused before staging has none, and pays nothing for it.
-    for table in staged:
-        if table == "activations":
-            # One pass over the batch's token and value lists: the checks, and beside them what
-            # the statistics need (the load reads it back for the rows that load).
-            conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_activation_checks AS {_ACTIVATION_CHECKS_AND_EXCERPTS}")
-            frame = conn.sql(f"SELECT * EXCLUDE ({', '.join('x_' + n for n, _ in EXCERPT)}) "
-                             "FROM stage_activation_checks").df()
-        else:
-            frame = conn.sql(_CHECK_SQL[table]).df()
+    # Every table's check columns first (DuckDB), then Great Expectations judges them: the
+    # first batch's checks run while Great Expectations is still being imported in a thread.
+    frames = {table: _check_frame(conn, table) for table in staged}
+    for table, frame in frames.items():
         n = len(frame)
         failed: dict[int, list[tuple[str, str]]] = {}
         if n:
