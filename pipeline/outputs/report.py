@@ -803,7 +803,10 @@ def _write(conn, run_id, out_dir: Path, settings: Settings, data_docs_index: boo
 
 def _write_read(conn, run_id, out_dir: Path, settings: Settings, data_docs_index: bool) -> Path:
     started = time.monotonic()
-    run = _run_row(conn, run_id)
+    # the index lists the latest runs: read once, they give the run's own row too (it is the
+    # newest, when the report is a run's own), one query of the runs less
+    runs = recent_runs(conn, _INDEX_RUNS)
+    run = next((r for r in runs if run_id is None or r["run_id"] == run_id), None) or _run_row(conn, run_id)
     run_id = check_run_id(run["run_id"])  # the latest run, too, may predate the check
     out_dir.mkdir(parents=True, exist_ok=True)
     if changed_nothing(run):
@@ -819,7 +822,7 @@ def _write_read(conn, run_id, out_dir: Path, settings: Settings, data_docs_index
     ctx["version"] = __version__
     path = out_dir / f"{run_id}.html"
     _atomic_write(path, _env().get_template("run.html.j2").render(**ctx))
-    _write_index(conn, out_dir)
+    _write_index(conn, out_dir, runs)
     log.info("report for %s written to %s in %.2fs", run_id, path, time.monotonic() - started)
     return path
 
@@ -846,8 +849,12 @@ def _data_docs(gx_project: Path, run_id: str, out_dir: Path, index: bool = True)
     }
 
 
-def _write_index(conn, out_dir: Path) -> Path:
-    runs = recent_runs(conn, 1000)
+#: Runs the report's index lists.
+_INDEX_RUNS = 1000
+
+
+def _write_index(conn, out_dir: Path, runs: list[dict[str, Any]] | None = None) -> Path:
+    runs = recent_runs(conn, _INDEX_RUNS) if runs is None else runs
     for r in runs:
         try:
             page = out_dir / f"{check_run_id(r['run_id'])}.html"
