@@ -223,8 +223,15 @@ def test_a_signal_while_a_committed_batch_is_counted_counts_it_once(tmp_path, mo
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(RunSummary, "__setattr__", setattr_)
-    with pytest.raises(KeyboardInterrupt):
-        run_ingest(_pages(tmp_path / "in", 3), settings, run_id="run-signal", part=0)
+    # Python raises KeyboardInterrupt on SIGINT only if the process did not inherit SIGINT
+    # ignored, which a shell gives the jobs it starts in the background (as CI may): the
+    # handler Python installs by default, for this test
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_ingest(_pages(tmp_path / "in", 3), settings, run_id="run-signal", part=0)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert sent
     row = query(settings, "SELECT status, n_features, n_activations, n_quarantined, n_expectations FROM runs")[0]
     committed = (query(settings, "SELECT count(*) FROM features")[0][0],
