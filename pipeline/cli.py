@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -23,6 +24,7 @@ from .config import Settings
 from .lake import warehouse as warehouse_mod
 from .lake.landing import LandingFailed, disk_full
 from .names import BadRunId, check_run_id
+from .signals import importing
 
 # The ingest stages (Great Expectations, pandas) are imported by the commands that use them,
 # so that the commands that only read (`search`, `similar`, `by-token`, `show`) start quickly.
@@ -196,6 +198,12 @@ _TERMINATED: list[int] = []
 
 
 def _terminated(signum, frame) -> None:
+    if importing(frame):
+        # Raised inside an import it could leave the interpreter's import lock (or the module's)
+        # held for ever: every later import, and the run, hung (found from outside, SIGTERM half
+        # a second in, while the warehouse was being opened). Sent again once the import is done.
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     _TERMINATED.append(signum)
     raise Terminated(128 + signum)  # inside a DuckDB query it surfaces as "Query interrupted"
 

@@ -40,6 +40,7 @@ from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
 from .lake.warehouse import utcnow
 from .names import check_run_id
+from .signals import importing
 from .stages import materialise, stage, validate
 from .stages.land import Digests, Landed, land
 from .stages.load import (
@@ -92,8 +93,9 @@ def _signals_watched() -> Iterator[list[tuple[int, Any, bool]]]:
     - Raised inside an import (DuckDB imports ``pyarrow.dataset`` on first use, beside the
       thread importing Great Expectations), right after the interpreter's import lock was taken,
       the exception left that lock held for ever, and DuckDB swallowed the exception: every
-      later import waited, the run hung. While the import lock is held the handler does not run;
-      the signal is noted, and handled at the next point the run may stop.
+      later import waited, the run hung. While the import lock is held, or the main thread is
+      inside an import (whose module lock an exception could leave held: ``signals.importing``), the
+      handler does not run; the signal is noted, and handled at the next point the run may stop.
 
     (Both found by the SIGTERM test, which failed about one run in three.)"""
     came: list[tuple[int, Any, bool]] = []  # (signal, its handler, whether the handler raised)
@@ -105,7 +107,7 @@ def _signals_watched() -> Iterator[list[tuple[int, Any, bool]]]:
         handler = signal.getsignal(sig)
         if callable(handler):
             def noted(signum, frame, handler=handler):
-                if _imp.lock_held():
+                if _imp.lock_held() or importing(frame):
                     came.append((signum, handler, False))
                     return
                 try:

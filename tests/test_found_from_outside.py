@@ -226,6 +226,39 @@ def test_a_signal_inside_an_import_is_handled_after_it_not_inside_it():
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_signal_while_a_module_is_imported_lets_the_import_finish(tmp_path, monkeypatch):
+    """Found from outside: a SIGTERM half a second into a run came while the main thread ran a
+    module's import (under that module's lock, not the interpreter's import lock); the handler's
+    exception left the module half made and its lock held, the thread importing Great
+    Expectations waited on that lock for ever and the main thread on that thread: the run hung.
+    Inside an import the watched handler does not run; the import finishes, and the run's next
+    stopping point runs it."""
+    import importlib
+    import sys
+
+    from pipeline.ingest import _signals_watched, _stop_if_signalled
+
+    (tmp_path / "fh_signalled_during_import.py").write_text(
+        "import signal\n"
+        "signal.raise_signal(signal.SIGTERM)  # handled at the next bytecode, still in this import\n"
+        "finished = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        with _signals_watched() as came:
+            module = importlib.import_module("fh_signalled_during_import")  # raises nothing
+            assert module.finished and [c[0] for c in came] == [signal.SIGTERM]
+            with pytest.raises(_Stopped):
+                _stop_if_signalled(came)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        sys.modules.pop("fh_signalled_during_import", None)
+
+
 def test_a_reader_in_a_transaction_keeps_its_snapshot_across_maintain(tmp_path):
     """Small commits were kept inline in the catalog, and maintain's flush deleted them under a
     reader holding a transaction (its activation count went to 0)."""

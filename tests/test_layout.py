@@ -11,7 +11,7 @@ import pytest
 PIPELINE = Path(__file__).resolve().parent.parent / "pipeline"
 
 #: Lower imports nothing higher. Modules of one wing may import each other.
-RANK = {"config": 0, "names": 0, "lake": 1, "stages": 2, "outputs": 3, "ingest": 4, "sources": 5, "cli": 6,
+RANK = {"config": 0, "names": 0, "signals": 0, "lake": 1, "stages": 2, "outputs": 3, "ingest": 4, "sources": 5, "cli": 6,
         "warm": 6}  # warm_up imports the modules the tasks call, from every wing
 
 
