@@ -173,3 +173,33 @@ def test_ingest_help_documents_exit_codes():
     text = CliRunner().invoke(cli, ["ingest", "--help"]).output
     assert "--strict" in text and "--format [table|json]" in text
     assert "Exit codes:" in text and "4  --strict and the run's verdict is FAIL" in text
+
+
+def test_the_sigterm_handler_does_not_raise_inside_an_import_and_sends_the_signal_again(tmp_path, monkeypatch):
+    """Found from outside: a SIGTERM half a second into `featurehouse ingest` raised inside an
+    import and left the interpreter's import lock held; the run hung. Inside an import the
+    handler raises nothing and sends the signal again once the import is done; outside one it
+    raises as before."""
+    import importlib
+    import signal
+    import threading
+
+    from pipeline import cli as cli_module
+
+    again = threading.Event()
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: again.set())
+    (tmp_path / "fh_terminated_during_import.py").write_text(
+        "import sys\n"
+        "from pipeline.cli import _terminated\n"
+        "_terminated(15, sys._getframe())  # returns: this is an import\n"
+        "finished = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert importlib.import_module("fh_terminated_during_import").finished
+        assert again.wait(5), "the signal was not sent again"
+        with pytest.raises(cli_module.Terminated):
+            cli_module._terminated(signal.SIGTERM, sys._getframe())
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        sys.modules.pop("fh_terminated_during_import", None)
+        cli_module._TERMINATED.clear()
