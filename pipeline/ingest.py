@@ -9,7 +9,6 @@ validated and loaded in batches (``settings.batch_bytes`` of input or
 
 from __future__ import annotations
 
-import _imp
 import contextlib
 import logging
 import os
@@ -93,9 +92,10 @@ def _signals_watched() -> Iterator[list[tuple[int, Any, bool]]]:
     - Raised inside an import (DuckDB imports ``pyarrow.dataset`` on first use, beside the
       thread importing Great Expectations), right after the interpreter's import lock was taken,
       the exception left that lock held for ever, and DuckDB swallowed the exception: every
-      later import waited, the run hung. While the import lock is held, or the main thread is
-      inside an import (whose module lock an exception could leave held: ``signals.importing``), the
-      handler does not run; the signal is noted, and handled at the next point the run may stop.
+      later import waited, the run hung. While an import is under way (``signals.importing``:
+      the import lock held, or the main thread inside an import, whose module lock an exception
+      could leave held) the handler does not run; the signal is noted, and handled at the next
+      point the run may stop.
 
     (Both found by the SIGTERM test, which failed about one run in three.)"""
     came: list[tuple[int, Any, bool]] = []  # (signal, its handler, whether the handler raised)
@@ -107,7 +107,7 @@ def _signals_watched() -> Iterator[list[tuple[int, Any, bool]]]:
         handler = signal.getsignal(sig)
         if callable(handler):
             def noted(signum, frame, handler=handler):
-                if _imp.lock_held() or importing(frame):
+                if importing(frame):
                     came.append((signum, handler, False))
                     return
                 try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _imp
 from typing import Any
 
 
@@ -13,7 +14,11 @@ def importing(frame: Any) -> bool:
     in every thread. Found from outside: a SIGTERM half a second into ``featurehouse ingest``
     left it held, the thread importing Great Expectations waited on it, the main thread on that
     thread, and the run hung. A handler that finds the main thread importing must not raise.
+    The interpreter's import lock held (by any thread) counts too: it is taken and released by
+    the import machinery, and by ``_imp.acquire_lock`` callers.
     """
+    if _imp.lock_held():
+        return True
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
