@@ -66,8 +66,12 @@ def topic_of(index: int) -> int:
 
 def write_source(out: Path, n_features: int = 262_144, n_active: int = 16_384, *, seed: int = 0,
                  batch: int = 16_384, excerpts: int = 8, tokens: int = 64, model: str = MODEL,
-                 source: str = SOURCE) -> dict:
-    """Write the source's export files under ``out``; returns counts."""
+                 source: str = SOURCE, data_sources: tuple = (None,), activation_batch: int = 1024) -> dict:
+    """Write the source's export files under ``out``; returns counts.
+
+    ``data_sources``: the excerpts of a feature take these in turn (``("Chat", "Non-Chat")``:
+    a feature with two excerpts has one of each, as the chat models' sources do);
+    ``activation_batch``: features per activations (and features) batch file."""
     import numpy as np
 
     rng = random.Random(seed)
@@ -103,14 +107,14 @@ def write_source(out: Path, n_features: int = 262_144, n_active: int = 16_384, *
     n_excerpts = 0
     active = sorted(random.Random(f"{seed}:active").sample(range(n_features), n_active))
     vocab = [w for _, ws in TOPICS for w in ws] + FILLER
-    for b, start in enumerate(range(0, len(active), 1024)):
-        part = active[start:start + 1024]
+    for b, start in enumerate(range(0, len(active), activation_batch)):
+        part = active[start:start + activation_batch]
         with gzip.open(out / "activations" / f"batch-{b}.jsonl.gz", "wb", compresslevel=1) as fa, \
                 gzip.open(out / "features" / f"batch-{b}.jsonl.gz", "wb", compresslevel=1) as ff:
             for i in part:
                 _, words = TOPICS[topic_of(i)]
                 top = 0.0
-                for _ in range(excerpts):
+                for k in range(excerpts):
                     toks = [rng.choice(FILLER) if rng.random() < 0.5 else " " + rng.choice(vocab) for _ in range(tokens)]
                     vals = [0] * tokens
                     for p in rng.sample(range(tokens), 4):
@@ -120,7 +124,7 @@ def write_source(out: Path, n_features: int = 262_144, n_active: int = 16_384, *
                     top = max(top, mx)
                     fa.write(orjson.dumps({
                         "id": _ident(rng), "modelId": model, "layer": source, "index": str(i),
-                        "creatorId": "export", "dataSource": None, "tokens": toks, "maxValue": mx,
+                        "creatorId": "export", "dataSource": data_sources[k % len(data_sources)], "tokens": toks, "maxValue": mx,
                         "minValue": 0, "values": vals, "maxValueTokenIndex": vals.index(mx),
                         "dfaValues": [], "dfaMaxValue": None, "dfaTargetIndex": None,
                         "binContains": -1, "binMin": -1, "binMax": None}) + b"\n")

@@ -572,14 +572,16 @@ class _Run:
     def _warm_report(self) -> None:
         """Do the report's work that needs no committed state in the main thread, which has
         nothing else to do while the loader thread writes and commits the last batch: start
-        vl-convert's JavaScript engine (~0.4 s of one core on the first chart a process draws)
-        and build the run's Great Expectations Data Docs pages (its results are all stored by
-        then). Only then: a run with no batch to load (an unchanged re-run) draws no chart.
-        What fails here the report does itself, or says why it cannot.
+        the chart renderer (a child process: its JavaScript engine takes ~0.4 s of one core to
+        start, see ``outputs/draw.py``) and build the run's Great Expectations Data Docs pages
+        (its results are all stored by then). Only then: a run with no batch to load (an
+        unchanged re-run) starts no renderer. What fails here the report does itself, or says
+        why it cannot (a renderer that cannot start leaves the report without charts).
 
-        vl-convert holds the GIL while it draws: it starts once the loader is inside the write
-        of the batch's files, a statement that does not need the GIL, not while the loader runs
-        the many small statements before it (measured: they waited the 0.36 s out)."""
+        This waits until the loader is inside the write of the batch's files, a statement that
+        does not need the GIL: building the Data Docs holds it, and when the renderer was drawn
+        in this process (it held the GIL for its 0.36 s start) the loader's many small
+        statements before the write waited it out."""
         from .outputs import report
 
         loading = self._loading

@@ -31,7 +31,8 @@ from pipeline import Settings
 from pipeline import ingest
 s = ingest([sys.argv[1]], Settings.from_env(warehouse=sys.argv[2]), progress=False)
 print(json.dumps({"gx": "great_expectations" in sys.modules, "loaded": s.n_loaded,
-                  "drew": "vl_convert" in sys.modules, "pandas": "pandas" in sys.modules,
+                  "drew": "pipeline.outputs.draw" in sys.modules and sys.modules["pipeline.outputs.draw"].drew_any(),
+                  "pandas": "pandas" in sys.modules,
                   "report": s.report_path, "status": s.status}))
 """
 

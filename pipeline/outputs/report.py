@@ -35,6 +35,7 @@ from ..lake import warehouse as warehouse_mod
 from ..lake.landing import disk_full
 from ..names import BadRunId, check_run_id
 from ..stages import validate
+from . import draw
 
 __all__ = ["VERDICT_RULES", "Verdict", "verdict", "recent_runs", "write_report", "report_run", "NoRuns",
            "RunNotFound", "warm_charts"]
@@ -336,13 +337,14 @@ def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any], t: dict[st
                max(max_activation) AS max_activation, median(max_activation) AS median_max_activation
         FROM {t['stats']}
         GROUP BY ALL ORDER BY model_id, source_id, data_source""")
-    ctx["feature_stats"] = conn.execute(f"""
+    ctx["hist_max_activation"], ctx["hidden_sources"] = _histogram(conn, f"""
         SELECT model_id || ' / ' || source_id AS source, coalesce(data_source, '(none)') AS data_source,
-               feature_index, max_activation, active_token_fraction
-        FROM {t['stats']}""").df()
-    ctx["frac_nonzero"] = conn.execute(f"""
-        SELECT model_id || ' / ' || source_id AS source, feature_index, frac_nonzero
-        FROM {t['features']} WHERE frac_nonzero IS NOT NULL""").df()
+               max_activation AS x
+        FROM {t['stats']}""")
+    ctx["hist_frac_nonzero"], _ = _histogram(conn, f"""
+        SELECT model_id || ' / ' || source_id AS source, '' AS data_source, frac_nonzero AS x
+        FROM {t['features']} WHERE frac_nonzero > 0""", log=True)
+    ctx["n_frac_zero"] = conn.execute(f"SELECT count(*) FROM {t['features']} WHERE frac_nonzero <= 0").fetchone()[0]
     ctx["top_features"] = _rows(conn, f"""
         WITH best AS (
             SELECT model_id, source_id, feature_index,
@@ -359,11 +361,7 @@ def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any], t: dict[st
     for f in ctx["top_features"]:
         f["url"] = _feature_url(f)
         f["tokens"] = [tok["token"] for tok in (f["top_tokens"] or [])[:6]]
-    ctx["chat_pairs"] = conn.execute(f"""
-        SELECT c.model_id, c.source_id, c.feature_index,
-               c.max_activation AS chat_max, n.max_activation AS non_chat_max
-        FROM {t['stats']} c JOIN {t['stats']} n USING (model_id, source_id, feature_index)
-        WHERE c.data_source = 'Chat' AND n.data_source = 'Non-Chat'""").df()
+    ctx["chat_pairs"] = _chat_pairs(conn, t["stats"])
     ctx["chat_extremes"] = _rows(conn, f"""
         WITH pairs AS (
             SELECT c.model_id, c.source_id, c.feature_index, c.max_activation AS chat_max,
@@ -399,24 +397,19 @@ def _alt():
 def _theme(chart):
     return chart.configure(font=_FONT, background="white").configure_view(stroke="#e5e7eb").configure_axis(
         labelColor="#374151", titleColor="#374151", gridColor="#eef0f3", domainColor="#9ca3af",
-        titleFontWeight=500, labelFontSize=11, titleFontSize=11,
+        titleFontWeight=500, labelFontSize=11, titleFontSize=11, labelOverlap="greedy",
     ).configure_header(labelFontSize=11, titleFontSize=11, labelColor="#111827").configure_legend(
         labelFontSize=11, titleFontSize=11, orient="top")
 
 
 _counter = itertools.count()
 
-#: The smallest chart: drawing it starts vl-convert's engine (see :func:`warm_charts`).
-_TINY_SPEC = {"data": {"values": [{"x": 1}]}, "mark": "point", "encoding": {"x": {"field": "x", "type": "quantitative"}}}
-
-
 def warm_charts() -> None:
-    """Draw one tiny chart, so that the process's first real chart does not pay for starting
-    vl-convert's JavaScript engine (~0.4 s of one core; the engine is the process's, whichever
-    thread draws), and import Altair. ``ingest`` calls it while its last batch loads."""
-    import vl_convert as vlc
-
-    vlc.vegalite_to_svg(_TINY_SPEC)
+    """Start the chart renderer (a child process, see ``draw.py``: ~0.4 s of one core there for
+    its JavaScript engine) so that the first real chart does not wait for it, and import Altair.
+    ``ingest`` calls it while its last batch loads. Raises ``draw.DrawerUnavailable`` when the
+    renderer cannot start (the report then says its charts are not drawn)."""
+    draw.start()
     _alt()
 
 
@@ -426,12 +419,10 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
     With ``cache`` (a folder), a chart whose Vega-Lite spec (its data included) was drawn before
     is read back instead of drawn again: an unchanged warehouse redraws nothing but its trend.
     """
-    import vl_convert as vlc
-
     spec = _xml_safe(_theme(chart).to_dict(validate=False))  # validated as built
     svg = None
     if cache is not None:
-        key = hashlib.sha256(json.dumps([vlc.__version__, spec], sort_keys=True, default=str).encode()).hexdigest()
+        key = hashlib.sha256(json.dumps([draw.renderer_version(), spec], sort_keys=True, default=str).encode()).hexdigest()
         hit = cache / f"{key}.svg"
         try:
             svg = hit.read_text(encoding="utf-8")
@@ -445,7 +436,7 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
                 log.warning("chart cache entry %s is damaged; drawing the chart again", hit)
                 svg = None
     if svg is None:
-        svg = vlc.vegalite_to_svg(spec)
+        svg = draw.draw_svg(spec)
         if cache is not None:
             _cache_put(cache, hit, svg)
     prefix = f"c{next(_counter)}-"
@@ -500,45 +491,60 @@ def _cache_put(cache: Path, path: Path, svg: str) -> None:
         log.debug("chart cache %s not written: %s", cache, exc)
 
 
-def _histogram(df, value: str, by: list[str], bins: int = 24, log: bool = False):
-    """Counts per equal-width bin (shared across ``by`` groups of one source), computed here so
-    chart size does not grow with the number of features."""
-    import numpy as np
-    import pandas as pd
-
-    out = []
-    for source, part in df.groupby("source", sort=True):
-        x = part[value].astype(float)
-        x = x[np.isfinite(x) & ((x > 0) if log else True)]
-        if x.empty:
-            continue
-        xs = np.log10(x) if log else x
-        lo, hi = float(xs.min()), float(xs.max())
-        if hi - lo < 1e-9:  # one distinct value: a narrow window around it
-            pad = 0.25 if log else max(abs(lo) * 0.05, 0.5)
-            lo, hi = lo - pad, hi + pad
-        edges = np.linspace(lo, hi, bins + 1)
-        keys = [k for k in by if k != "source"]
-        groups = part.groupby(keys, sort=True) if keys else [((), part)]
-        for key, g in groups:
-            gx = g[value].astype(float)
-            gx = gx[np.isfinite(gx) & ((gx > 0) if log else True)]
-            counts, _ = np.histogram(np.log10(gx) if log else gx, bins=edges)
-            key = key if isinstance(key, tuple) else (key,)
-            for i, c in enumerate(counts):
-                if not c:
-                    continue
-                row = {"source": source, "start": edges[i], "end": edges[i + 1], "count": int(c)}
-                if log:
-                    row["start"], row["end"] = 10 ** edges[i], 10 ** edges[i + 1]
-                row.update(dict(zip(keys, key)))
-                out.append(row)
-    return pd.DataFrame(out)
+def _histogram(conn: duckdb.DuckDBPyConnection, values_sql: str, bins: int = 24, log: bool = False):
+    """Counts per equal-width bin, computed by DuckDB so that a chart's size and cost do not grow
+    with the number of features (a whole source has 262,144). ``values_sql`` gives ``source``,
+    ``data_source`` and ``x``; the bins are shared across the data sources of one source, over
+    the ``_MAX_SOURCES_CHARTED`` sources with the most rows. ``log``: bins of log10(x), x > 0.
+    Returns (the bins as a DataFrame: source, data_source, start, end, count; how many sources
+    were left out)."""
+    x = "log10(x)" if log else "x"
+    pad = "0.25" if log else "greatest(abs(lo) * 0.05, 0.5)"
+    edge = (lambda e: f"pow(10, {e})") if log else (lambda e: e)
+    df = conn.execute(f"""
+        WITH v AS (SELECT source, data_source, {x}::DOUBLE AS x FROM ({values_sql})
+                   WHERE x IS NOT NULL AND isfinite(x::DOUBLE){' AND x > 0' if log else ''}),
+        top AS (SELECT source FROM v GROUP BY source ORDER BY count(*) DESC, source LIMIT {_MAX_SOURCES_CHARTED}),
+        r AS (SELECT source, min(x) AS lo, max(x) AS hi FROM v SEMI JOIN top USING (source) GROUP BY source),
+        w AS (SELECT source, CASE WHEN hi - lo < 1e-9 THEN lo - {pad} ELSE lo END AS lo,
+                     CASE WHEN hi - lo < 1e-9 THEN hi + {pad} ELSE hi END AS hi FROM r),
+        b AS (SELECT source, data_source, lo, (hi - lo) / {bins} AS width,
+                     least(greatest(floor((x - lo) / ((hi - lo) / {bins})), 0), {bins - 1})::INTEGER AS bin
+              FROM v JOIN w USING (source))
+        SELECT source, data_source, {edge('lo + bin * width')} AS start, {edge('lo + (bin + 1) * width')} AS "end",
+               count(*) AS count
+        FROM b GROUP BY source, data_source, lo, width, bin ORDER BY source, data_source, bin""").df()
+    hidden = conn.execute(f"SELECT greatest(count(DISTINCT source) - {_MAX_SOURCES_CHARTED}, 0) FROM ({values_sql}) "
+                          "WHERE x IS NOT NULL").fetchone()[0]
+    return df, int(hidden)
 
 
-def _top_sources(df, n: int = _MAX_SOURCES_CHARTED):
-    keep = df["source"].value_counts().index[:n]
-    return df[df["source"].isin(keep)], max(0, df["source"].nunique() - n)
+#: Up to this many features the Chat vs Non-Chat chart draws a point each; past it, counts per
+#: cell of a grid (a whole source: 262,144 points would make a page of tens of MB).
+_SCATTER_POINTS = 2000
+_SCATTER_CELLS = 40
+
+
+def _chat_pairs(conn: duckdb.DuckDBPyConnection, stats: str) -> dict[str, Any]:
+    """The features with both a Chat and a Non-Chat maximum: their points, or (past
+    ``_SCATTER_POINTS``) how many fall in each cell of a ``_SCATTER_CELLS``-square grid."""
+    pairs = f"""
+        SELECT c.max_activation::DOUBLE AS chat_max, n.max_activation::DOUBLE AS non_chat_max
+        FROM {stats} c JOIN {stats} n USING (model_id, source_id, feature_index)
+        WHERE c.data_source = 'Chat' AND n.data_source = 'Non-Chat'
+          AND isfinite(c.max_activation::DOUBLE) AND isfinite(n.max_activation::DOUBLE)"""
+    n, hi = conn.execute(f"SELECT count(*), greatest(max(chat_max), max(non_chat_max), 0) FROM ({pairs})").fetchone()
+    hi = float(hi or 0) * 1.05 or 1.0
+    if n <= _SCATTER_POINTS:
+        return {"n": n, "hi": hi, "points": conn.execute(pairs).df(), "cells": None}
+    k, step = _SCATTER_CELLS, hi / _SCATTER_CELLS
+    cells = conn.execute(f"""
+        SELECT least(floor(non_chat_max / {step}), {k - 1})::INTEGER AS cx,
+               least(floor(chat_max / {step}), {k - 1})::INTEGER AS cy, count(*) AS count
+        FROM ({pairs}) GROUP BY ALL""").df()
+    cells = cells.assign(x0=cells["cx"] * step, x1=(cells["cx"] + 1) * step,
+                         y0=cells["cy"] * step, y1=(cells["cy"] + 1) * step)
+    return {"n": n, "hi": hi, "points": None, "cells": cells}
 
 
 def _ds_scale(alt, values):
@@ -549,41 +555,62 @@ def _ds_scale(alt, values):
 
 
 def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
+    """The report's charts as SVG. A chart that cannot be built or drawn is left out, and said
+    (``charts["not_drawn"]``): the report is written all the same. When the renderer cannot draw
+    at all (see ``draw.py``), no chart is tried after it."""
+    charts: dict[str, Any] = {"not_drawn": []}
+    try:
+        _draw_charts(ctx, charts, cache)
+    except draw.DrawerUnavailable as exc:
+        log.warning("the report's charts are not drawn: %s", exc)
+        charts["unavailable"] = str(exc)
+    return charts
+
+
+def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None) -> None:
     alt = _alt()
 
-    def _svg(chart) -> str:
-        return _svg_cached(chart, cache)
+    def chart(name: str, build) -> None:
+        try:
+            charts[name] = build()
+        except draw.DrawerUnavailable:
+            raise
+        except Exception as exc:  # one chart's failure: said on the page, the others drawn
+            log.warning("the report's %s chart is not drawn: %s", name, str(exc).splitlines()[0][:300])
+            charts["not_drawn"].append({"chart": name, "why": str(exc).splitlines()[0][:300]})
 
-    charts: dict[str, Any] = {}
-    fs = ctx["feature_stats"]
-    if len(fs):
-        fs, hidden = _top_sources(fs)
-        h = _histogram(fs, "max_activation", ["source", "data_source"])
-        n_ds = h["data_source"].nunique()
-        h["panel"] = h["source"] + "  ·  " + h["data_source"]
-        charts["max_activation"] = _svg(
+    def _svg(c) -> str:
+        return _svg_cached(c, cache)
+
+    h = ctx["hist_max_activation"]
+    if len(h):
+        n_ds, one = h["data_source"].nunique(), h["source"].nunique() == 1
+        # one source: its name heads the chart, each panel is named by its data source alone
+        h = h.assign(panel=h["data_source"] if one else h["source"] + "  ·  " + h["data_source"])
+        chart("max_activation", lambda: _svg(
             alt.Chart(h).mark_bar(stroke="white", strokeWidth=0.5).encode(
-                x=alt.X("start:Q", title="feature max activation", scale=alt.Scale(zero=False)),
+                x=alt.X("start:Q", title="feature max activation", scale=alt.Scale(zero=False),
+                        axis=alt.Axis(tickCount=5)),  # vl-convert ignores labelOverlap: few enough not to touch
                 x2="end:Q",
                 y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
                 y2=alt.datum(0),
                 color=alt.Color("data_source:N", title="data source", scale=_ds_scale(alt, h["data_source"].unique()),
                                 legend=None),
             ).properties(width=250 if n_ds > 2 else 320, height=110).facet(
-                facet=alt.Facet("panel:N", title=None, header=alt.Header(labelFontWeight="bold", labelAnchor="start",
-                                                                          labelFontSize=11.5)),
+                facet=alt.Facet("panel:N", title=h["source"].iloc[0] if one else None,
+                                header=alt.Header(labelFontWeight="bold", labelAnchor="start", labelFontSize=11.5,
+                                                  labelLimit=250 if n_ds > 2 else 320, titleFontSize=11.5,
+                                                  titleAnchor="start", titleFontWeight="normal")),
                 columns=n_ds, spacing={"row": 14, "column": 22},
             )
-        )
-        charts["hidden_sources"] = hidden
-    fz = ctx["frac_nonzero"]
-    if len(fz) and (fz["frac_nonzero"] > 0).any():
-        fz, _ = _top_sources(fz)
-        h = _histogram(fz, "frac_nonzero", ["source"], log=True)
-        charts["frac_nonzero"] = _svg(
+        ))
+        charts["hidden_sources"] = ctx["hidden_sources"]
+    h = ctx["hist_frac_nonzero"]
+    if len(h):
+        chart("frac_nonzero", lambda: _svg(
             alt.Chart(h).mark_bar(color="#54a24b", stroke="white", strokeWidth=0.5).encode(
                 x=alt.X("start:Q", title="frac_nonzero (log scale)",
-                        scale=alt.Scale(type="log"), axis=alt.Axis(format=".0e", tickCount=6)),
+                        scale=alt.Scale(type="log"), axis=alt.Axis(format=".0e", values=_log_ticks(h))),
                 x2="end:Q",
                 y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
                 y2=alt.datum(0),
@@ -592,18 +619,27 @@ def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
                                                                            labelFontSize=11.5)),
                 columns=1, spacing=14,
             )
-        )
-        charts["n_frac_zero"] = int((ctx["frac_nonzero"]["frac_nonzero"] <= 0).sum())
+        ))
+        charts["n_frac_zero"] = ctx["n_frac_zero"]
     cp = ctx["chat_pairs"]
-    if len(cp):
-        hi = float(max(cp["chat_max"].max(), cp["non_chat_max"].max())) * 1.05 or 1.0
+    if cp["n"]:
+        hi = cp["hi"]
         diag = alt.Chart(alt.Data(values=[{"v": 0}, {"v": hi}])).mark_line(
             color="#9ca3af", strokeDash=[4, 4]).encode(x="v:Q", y="v:Q")
-        pts = alt.Chart(cp).mark_circle(size=46, opacity=0.75, color="#4c78a8", stroke="#1f3b5c", strokeWidth=0.6).encode(
-            x=alt.X("non_chat_max:Q", title="max activation on Non-Chat", scale=alt.Scale(domain=[0, hi], nice=False)),
-            y=alt.Y("chat_max:Q", title="max activation on Chat", scale=alt.Scale(domain=[0, hi], nice=False)),
-        )
-        charts["chat_vs_non_chat"] = _svg((diag + pts).properties(width=300, height=300))
+        x_title, y_title = "max activation on Non-Chat", "max activation on Chat"
+        axes = {"scale": alt.Scale(domain=[0, hi], nice=False)}
+        if cp["points"] is not None:
+            pts = alt.Chart(cp["points"]).mark_circle(size=46, opacity=0.75, color="#4c78a8", stroke="#1f3b5c",
+                                                      strokeWidth=0.6).encode(
+                x=alt.X("non_chat_max:Q", title=x_title, **axes), y=alt.Y("chat_max:Q", title=y_title, **axes))
+        else:  # a whole source: how many features in each cell, the scale said on the chart
+            pts = alt.Chart(cp["cells"]).mark_rect().encode(
+                x=alt.X("x0:Q", title=x_title, **axes), x2="x1:Q",
+                y=alt.Y("y0:Q", title=y_title, **axes), y2="y1:Q",
+                color=alt.Color("count:Q", title="features", scale=alt.Scale(type="log", scheme="blues")),
+            )
+            charts["chat_cells"] = {"n": cp["n"], "k": _SCATTER_CELLS}
+        chart("chat_vs_non_chat", lambda: _svg((pts + diag).properties(width=300, height=300)))
     tf = ctx["top_features"]
     if tf:
         import pandas as pd
@@ -612,14 +648,16 @@ def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
                  "source": f"{f['source_id']}", "max_activation": f["max_activation"],
                  "data_source": f["data_source"], "rank": i} for i, f in enumerate(tf)]
         df = pd.DataFrame(rows)
-        charts["top_features"] = _svg(
+        chart("top_features", lambda: _svg(
             alt.Chart(df).mark_bar(height={"band": 0.75}).encode(
                 y=alt.Y("label:N", sort=alt.EncodingSortField("rank"), title=None,
                         axis=alt.Axis(labelLimit=330, labelFontSize=11)),
                 x=alt.X("max_activation:Q", title="max activation"),
                 color=alt.Color("data_source:N", title="strongest on", scale=_ds_scale(alt, df["data_source"].unique())),
-            ).properties(width=380, height=alt.Step(18))
-        )
+            ).properties(width=380, height=alt.Step(18),
+                         # the browser's font sets the labels wider than vl-convert measured them
+                         padding={"left": 48, "top": 5, "right": 5, "bottom": 5})
+        ))
     tr = ctx["trend"]
     if len(tr):
         import pandas as pd
@@ -637,15 +675,24 @@ def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
                 axis, scale = alt.Axis(format=fmt, values=ticks), alt.Scale(domain=[0, ticks[-1]])
             else:
                 axis, scale = alt.Axis(format=fmt, tickCount=3), alt.Scale(domainMin=0, domainMax=max(top, 1.0), nice=True)
-            chart = alt.Chart(d).mark_bar(width={"band": 0.8}).encode(
+            panel = alt.Chart(d).mark_bar(width={"band": 0.8}).encode(
                 x=alt.X("order:O", scale=alt.Scale(domain=list(range(_TREND_RUNS))),
                         axis=alt.Axis(labels=False, ticks=False, title=f"last {_TREND_RUNS} runs, oldest → newest")),
                 y=alt.Y("value:Q", title=None, scale=scale, axis=axis),
                 color=alt.condition("datum.is_this", alt.value("#1f2937"), alt.value("#a5b4c8")),
             ).properties(width=190, height=80)
-            panels.append({"title": title, "svg": _svg(chart)})
-        charts["trend"] = panels
-    return charts
+            panels.append({"title": title, "chart": panel})
+        chart("trend", lambda: [{"title": p["title"], "svg": _svg(p["chart"])} for p in panels])
+
+
+def _log_ticks(h) -> list[float]:
+    """Ticks for a log axis over the bins ``h`` (start, end): the powers of ten inside, and 2x
+    and 5x them when there are few (vl-convert draws every tick label Vega gives, overlapping)."""
+    lo, hi = float(h["start"].min()), float(h["end"].max())
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    mults = (1,) if last - first > 3 else (1, 2, 5)
+    ticks = [m * 10.0**e for e in range(first, last + 1) for m in mults if lo <= m * 10.0**e <= hi]
+    return ticks or [lo, hi]
 
 
 def _int_ticks(top: float, most: int = 4) -> list[int]:
