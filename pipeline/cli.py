@@ -387,6 +387,10 @@ def report_cmd(warehouse, run_id, out_dir) -> None:
         path = report.write_report(conn, run_id, out_dir=out_dir, settings=settings)
     except (report.NoRuns, report.RunNotFound) as exc:
         raise click.ClickException(str(exc)) from exc
+    except OSError as exc:  # the reports folder cannot be written: said, not a traceback
+        where = exc.filename or out_dir or settings.report_dir
+        why = "the disk is full" if disk_full(exc) else (exc.strerror or str(exc))
+        raise click.ClickException(f"the report could not be written to {where}: {why}") from None
     finally:
         conn.close()
     click.echo(f"report {path}")

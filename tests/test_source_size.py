@@ -142,3 +142,12 @@ def test_the_renderer_is_a_child_and_the_ingest_process_never_imports_it(tmp_pat
     res = json.loads(out.strip().splitlines()[-1])
     assert res["report"] and not res["vl"]
     assert "<svg" in Path(res["report"]).read_text()
+
+
+def test_a_report_that_cannot_be_written_is_one_line_not_a_traceback(source_run, tmp_path):
+    wh, _, _ = source_run
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    p = fh("report", "--warehouse", str(wh), "--out", str(blocker / "reports"))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("Error: the report could not be written to ") and len(p.stderr.splitlines()) == 1
