@@ -77,6 +77,15 @@ DEFECTS = {
     "values_with_string": (_in_act("values", 1, "x"), ("loaded", {0: ["values_not_null"]})),
     "values_with_number_string": (_in_act("values", 1, "1.5"), ("loaded", {0: ["values_not_null"]})),
     "values_with_boolean": (_in_act("values", 1, True), ("loaded", {0: ["values_not_null"]})),
+    # digits that are not ASCII (issue 41 item 5: "²" rejected the page on the Python road, which
+    # read "٤٥" as 45, and both were quarantined on DuckDB's road)
+    "activation_index_superscript": (lambda page: page["activations"][0].update(index="²"),
+                                     ("loaded", {0: ["activation_feature_key_matches_page", "activation_feature_key_present"]})),
+    "activation_index_arabic_indic": (lambda page: page["activations"][0].update(index="٤٥"),
+                                      ("loaded", {0: ["activation_feature_key_matches_page", "activation_feature_key_present"]})),
+    "max_token_index_superscript": (lambda page: page["activations"][0].update(maxValueTokenIndex="²"),
+                                    ("loaded", {0: ["max_value_token_index_in_excerpt",
+                                                    "max_value_token_index_points_at_max"]})),
 }
 
 #: How a page is sent. one_line takes DuckDB's road; the others the Python parser's.

@@ -752,13 +752,18 @@ _INT64 = 2**63
 _INT32 = 2**31
 
 
+#: An integer written as text: ASCII digits only, as DuckDB's cast reads them (``str.isdigit``
+#: also takes "²", which ``int()`` then refuses, and Arabic-Indic digits, which it reads).
+_DIGITS = re.compile(r"-?[0-9]+")
+
+
 def _int(v: Any, bound: int = _INT64) -> int | None:
     """An integer, or None when it is not one or does not fit its column (BIGINT by default)."""
     if type(v) is int:
         n = v
     elif isinstance(v, float) and v.is_integer():
         n = int(v)
-    elif isinstance(v, str) and v.lstrip("-").isdigit():
+    elif isinstance(v, str) and _DIGITS.fullmatch(v):
         n = int(v)
     else:
         return None
