@@ -117,8 +117,26 @@ def _csv_cell(value):
     return value
 
 
+def _unique_names(cols: list[str]) -> list[str]:
+    """Column names made unique as DuckDB makes a subquery's (``a, a, a_1`` -> ``a, a_1, a_1_1``):
+    a JSON object, or a row turned into one, keeps every column (``SELECT 1 AS a, 2 AS a``, a
+    join's two ``extra`` columns)."""
+    seen: set[str] = set()
+    out = []
+    for name in cols:
+        unique, k = name, 0
+        while unique in seen:
+            k += 1
+            unique = f"{name}_{k}"
+        seen.add(unique)
+        out.append(unique)
+    return out
+
+
 def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40) -> None:
     """Rows as a table (DuckDB's own rendering), CSV or JSON on stdout."""
+    if fmt != "csv":
+        cols = _unique_names(cols)
     if fmt == "csv":
         w = csv.writer(sys.stdout, lineterminator="\n")
         w.writerow(cols)

@@ -57,6 +57,19 @@ def test_sql_json(warehouse):
     assert row["created_at"].startswith("2025-09-24")
 
 
+def test_sql_json_keeps_every_column_when_names_repeat(warehouse):
+    """SELECT 1 AS a, 2 AS a gave {"a": 2}; a join's two ``extra`` columns became one. Names are
+    made unique as DuckDB makes a subquery's."""
+    wh, _ = warehouse
+    proc = fh("sql", "SELECT 1 AS a, 2 AS a, 3 AS a_1", "--warehouse", str(wh), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [{"a": 1, "a_1": 2, "a_1_1": 3}]
+    proc = fh("sql", "SELECT f.extra, a.extra FROM features f JOIN activations a USING (model_id, source_id, feature_index) "
+              "LIMIT 1", "--warehouse", str(wh), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert list(json.loads(proc.stdout)[0]) == ["extra", "extra_1"]
+
+
 def test_sql_table_is_the_default(warehouse):
     wh, _ = warehouse
     proc = fh("sql", "SELECT count(*) AS n_activations FROM activations", "--warehouse", str(wh))
