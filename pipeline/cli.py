@@ -826,16 +826,34 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
 
     click.echo(f"fetch window {window}", err=True)
     from .sources.api import BadApiKey
+    from .sources.exports import remove_spooled
 
+    # A SIGTERM (a timeout, `kill`, Airflow stopping the task) stops the fetch as Ctrl-C does:
+    # the downloads under way are given up and their partial files removed, the rest kept.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         result = fetch()
     except BadApiKey as exc:
         raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
-        click.echo(f"\ninterrupted: what landed is kept; run the same command with --window {window} "
-                   "to fetch only the rest", err=True)
-        sys.exit(130)
-    summary = ingest_fetched(window, settings, trigger="fetch", progress=False if no_progress else None)
+    except (KeyboardInterrupt, Terminated) as exc:
+        removed = remove_spooled()
+        how = "terminated by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
+        click.echo(f"\nfetch {how}: what landed is kept" + (f", {removed} partial download(s) removed" if removed else "")
+                   + f"; run the same command with --window {window} to fetch only the rest", err=True)
+        # now, not at the interpreter's exit, which would join the download threads: one blocked
+        # reading a slow body would hold a stopped process for as long as the body takes
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + _TERMINATED[0] if isinstance(exc, Terminated) else 130)
+    try:
+        summary = ingest_fetched(window, settings, trigger="fetch", progress=False if no_progress else None)
+    except BaseException:
+        if not _TERMINATED:
+            raise
+        notes = "; ".join(getattr(sys.exc_info()[1], "__notes__", ())) or "the run is recorded as failed"
+        click.echo(f"featurehouse: the ingest of what was fetched was terminated by SIGTERM; {notes}; run the same "
+                   f"command with --window {window} to ingest it (nothing landed is fetched again)", err=True)
+        sys.exit(128 + _TERMINATED[0])
     print_summary(summary)
     _refresh_find(settings)
     r = result

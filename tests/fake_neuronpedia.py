@@ -46,7 +46,7 @@ from bench.generate import synthetic_page
 
 MODEL = "gpt-oss-20b"
 SOURCE = "11-resid-post-aa"
-FAULT_KINDS = ("429", "500", "503", "slow", "drop", "reset", "truncate", "corrupt", "404", "echo_key_500")
+FAULT_KINDS = ("429", "500", "503", "slow", "drop", "reset", "truncate", "corrupt", "404", "echo_key_500", "trickle")
 RANDOM_FAULT_KINDS = ("429", "500", "503", "slow", "drop", "reset", "truncate")
 PAGE_SIZE = 25
 _RELATIONS = {"model", "source", "sourceSet", "activations", "explanations", "lists", "creator", "comments"}
@@ -186,6 +186,8 @@ class FakeNeuronpedia:
     max_keys: int = 1000
     retry_after: str = "1"
     slow_seconds: float = 2.0
+    trickle_seconds: float = 30.0
+    """How long a ``trickle`` answer takes to send its whole body."""
     latency: float = 0.0
     """Added to every API answer (to give a test time to interrupt a fetch)."""
     limit_remaining: int | None = None
@@ -328,6 +330,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(body[: len(body) // 2])
                 self.wfile.flush()
                 self._hang_up()
+                return
+            if fault == "trickle":  # the body a little at a time, over ~trickle_seconds
+                step = max(1, len(body) // 50)
+                for i in range(0, len(body), step):
+                    self.wfile.write(body[i:i + step])
+                    self.wfile.flush()
+                    time.sleep(fake.trickle_seconds / 50)
                 return
             self.wfile.write(body)
         except (BrokenPipeError, ConnectionResetError):

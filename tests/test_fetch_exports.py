@@ -217,3 +217,57 @@ def test_list_objects_v2_pages_through_every_key_once(bucket, keys, max_keys):
     assert [o.key for o in got] == sorted(f"v1/{k}" for k in keys)
     assert all(o.size == len(o.key) - 3 for o in got)
     assert bucket.count("/neuronpedia-datasets/") == max(1, -(-len(keys) // max_keys))
+
+
+def _spool_files(settings) -> list:
+    return sorted(settings.landing_root.rglob(".landing-*")) if settings.landing_root.exists() else []
+
+
+def test_sigterm_during_a_download_removes_its_partial_file_and_says_how_to_resume(tmp_path):
+    """Issue 40 item 5: a SIGTERM left `.landing-*` spool files for good and said nothing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    s = settings_in(tmp_path)
+    slow = f"/neuronpedia-datasets/{PREFIX}activations/batch-0.jsonl.gz"
+    with FakeNeuronpedia(pages=pages(12), batch_features=4, always={slow: "trickle"}, trickle_seconds=60) as np:
+        args = [sys.executable, "-m", "pipeline.cli", "fetch", "exports", "--model", MODEL, "--source", SOURCE,
+                "--exports-url", np.exports_url, "--warehouse", str(s.warehouse), "--window", "w-term",
+                "--no-progress", "--requests-per-hour", "10000000"]
+        proc = subprocess.Popen(args, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not (np.count(slow) and _spool_files(s)) and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert _spool_files(s), "the download never started"
+        time.sleep(0.5)
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    assert time.monotonic() - stopped < 10, "the stopped fetch waited for the slow download"
+    assert proc.returncode == 143, stdout + stderr
+    assert "terminated by SIGTERM" in stderr and "partial download(s) removed" in stderr and "--window w-term" in stderr
+    assert _spool_files(s) == []
+
+
+def test_the_next_fetch_removes_what_a_killed_one_left(tmp_path):
+    import os
+    import time
+
+    s = settings_in(tmp_path)
+    s.landing_root.mkdir(parents=True, exist_ok=True)
+    left = s.landing_root / ".landing-killed"
+    left.write_bytes(b"half a gzip")
+    old = time.time() - 2 * 3600
+    os.utime(left, (old, old))
+    fresh = s.landing_root / ".landing-live"  # a live download's: written a moment ago
+    fresh.write_bytes(b"being written")
+    with FakeNeuronpedia(pages=pages(4), batch_features=4) as np:
+        result = fetch_exports(MODEL, SOURCE, settings=s, exports_url=np.exports_url, window="after", **FAST)
+    assert result.n_failed == 0
+    assert not left.exists() and fresh.exists()

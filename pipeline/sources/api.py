@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlparse
 
@@ -317,7 +317,14 @@ class Client:
                 raise IncompleteTransfer(f"bucket lists {size:,} bytes but the answer announces {expected:,}")
             # Raw bytes, never decoded: the landed file is exactly the object in the bucket.
             chunks = resp.raw.stream(1 << 20, decode_content=False)
-            return stream_to_landing(chunks, landing_dir, expected_size=expected, gzip=gzip)
+            return stream_to_landing(self._until_cancelled(chunks), landing_dir, expected_size=expected, gzip=gzip)
+
+    def _until_cancelled(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """The chunks, until the fetch is cancelled (a signal): the partial file is then removed."""
+        for chunk in chunks:
+            if self.cancelled.is_set():
+                raise Cancelled("fetch cancelled")
+            yield chunk
 
 
 def require_json(body: bytes) -> None:

@@ -12,6 +12,8 @@ import hashlib
 import os
 import re
 import tempfile
+import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ __all__ = [
     "export_prefix",
     "select_exports",
     "stream_to_landing",
+    "remove_spooled",
+    "remove_stale_spool",
 ]
 
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
@@ -168,6 +172,45 @@ class _GzipCheck:
             raise IncompleteTransfer("gzip stream is truncated: it ends before its end marker and CRC")
 
 
+#: The partial downloads being written now, by this process: a fetch stopped by a signal
+#: removes them (:func:`remove_spooled`) before it exits.
+_SPOOLED: set[str] = set()
+_SPOOLED_LOCK = threading.Lock()
+#: A spool file left this long without a write is no live download's (a download writes every
+#: chunk; its read times out long before): the next fetch removes it.
+SPOOL_STALE_SECONDS = 3600
+
+
+def remove_spooled() -> int:
+    """Remove this process's partial downloads (a fetch that is stopping); returns how many."""
+    with _SPOOLED_LOCK:
+        paths = list(_SPOOLED)
+        _SPOOLED.clear()
+    for p in paths:
+        Path(p).unlink(missing_ok=True)
+    return len(paths)
+
+
+def remove_stale_spool(landing_dir: Where, older_than: float = SPOOL_STALE_SECONDS) -> int:
+    """Remove the partial downloads a killed fetch left in the spool folder (``.landing-*`` not
+    written for ``older_than`` seconds); returns how many."""
+    spool = scratch_dir(landing_dir)
+    n = 0
+    try:
+        candidates = list(spool.glob(".landing-*"))
+    except OSError:
+        return 0
+    now = time.time()
+    for p in candidates:
+        try:
+            if now - p.stat().st_mtime > older_than:
+                p.unlink()
+                n += 1
+        except OSError:  # gone already, or not ours to remove
+            continue
+    return n
+
+
 def stream_to_landing(
     chunks: Iterator[bytes],
     landing_dir: Where,
@@ -187,6 +230,8 @@ def stream_to_landing(
     check = _GzipCheck() if gzip else None
     n = 0
     fd, tmp = tempfile.mkstemp(dir=spool, prefix=".landing-")
+    with _SPOOLED_LOCK:
+        _SPOOLED.add(tmp)
     try:
         with os.fdopen(fd, "wb") as out:
             for chunk in chunks:
@@ -208,3 +253,6 @@ def stream_to_landing(
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    finally:
+        with _SPOOLED_LOCK:
+            _SPOOLED.discard(tmp)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..config import Settings
 from ..ingest import ingest, new_run_id
 from ..lake import runstate, s3, warehouse
-from ..lake.landing import Where
+from ..lake.landing import Where, scratch_dir
 from ..lake.runstate import RunSummary
 from ..lake.warehouse import utcnow
 from ..stages.land import land
@@ -46,6 +46,7 @@ from .exports import (
     ListObjectsV2,
     OffsetPaging,
     export_prefix,
+    remove_stale_spool,
     select_exports,
 )
 from .manifest import Manifest, landed_where, manifest_path, read_manifest
@@ -437,6 +438,9 @@ def fetch_exports(
                      requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff)
     bucket = exports_url.rstrip("/")
     prefix = export_prefix(model, source)
+    if removed := remove_stale_spool(settings.landing_root):
+        log.warning("removed %d partial download(s) a stopped fetch left in %s", removed,
+                    scratch_dir(settings.landing_root))
     try:
         listing = ListObjectsV2(bucket, prefix)
         objects = []
