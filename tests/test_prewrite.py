@@ -136,6 +136,53 @@ def test_a_writer_killed_before_its_commit_leaves_no_rows_and_maintain_deletes_i
     assert query(settings.warehouse, "SELECT description FROM explanations") == [("v0",)]
 
 
+def test_maintain_keeps_the_files_of_a_writer_waiting_for_the_lock(tmp_path):
+    """Issue 41 item 2: a writer with its files written, waiting for the commit lock, met
+    `maintain --grace-minutes 0`, which deleted them as orphans; its commit then failed ("No
+    files found"). Its run is running: its files are not orphans, whatever the grace."""
+    from datetime import timedelta
+
+    from pipeline.lake.maintain import maintain
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    before = _ours(settings.warehouse)
+    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        pending = _ours(settings.warehouse) - before
+        maintain(settings, grace=timedelta(0))  # the lock is re-entrant in this process
+        assert pending <= _ours(settings.warehouse), "maintain deleted a live writer's files"
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v1",)]
+    assert pending <= _registered(settings)
+    # once the writer is done, what is unreferenced goes as before
+    r = subprocess.run([str(FEATUREHOUSE), "maintain", "--warehouse", str(settings.warehouse), "--grace-minutes", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "deletes nothing this time" not in r.stderr, r.stderr
+
+
+def test_a_commit_whose_files_vanished_writes_its_rows_under_the_lock(tmp_path):
+    """The other half of item 2: whatever took the files (a hand, an older maintain), the
+    commit writes the rows itself instead of failing with a traceback."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    before = _ours(settings.warehouse)
+    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        pending = _ours(settings.warehouse) - before
+        for p in (settings.warehouse / "data").rglob("featurehouse-*.parquet"):
+            if p.name in pending:
+                p.unlink()
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out + err
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("v1",)]
+    assert query(settings.warehouse, "SELECT count(*) FROM activations") == [(3,)]
+    assert not pending & _registered(settings)
+
+
 def test_the_decision_reads_one_snapshot_and_an_error_inside_leaves_no_transaction(tmp_path):
     """``one_snapshot`` (what prewrite decides in): every read inside sees the snapshot the first
     one saw, even after another writer commits; an error inside rolls it back, leaving the

@@ -11,6 +11,13 @@ this order, each step its own commit under the warehouse's commit lock:
 4. delete the files no snapshot references any more, and orphaned files, once they are older
    than a grace period (a reader that started before may still be reading them).
 
+An orphan may be a writer's file written before its commit (``stages/load.py`` ``prewrite``:
+``featurehouse-w<tag>-<uuid>.parquet``, the tag from its run id). While any run with that tag is
+``running`` and not found abandoned, its files are not orphans: the orphan step then deletes
+nothing this time, whatever the grace (a writer may wait its whole lock timeout, or be paused),
+and says which run it waited for. A run that died on another host stays ``running`` until it
+is settled (the nightly DAG's finish, or a run on its host): its files wait until then.
+
 It never deletes a file outside the warehouse's own data folder: the data path the lake is open
 with must be the one the warehouse's settings and folder resolve to (a copied folder's catalog
 records the original's), and every file DuckLake would delete is listed first (a dry run, under
@@ -20,16 +27,19 @@ the commit lock) and must lie under it; otherwise nothing is deleted and
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import duckdb
 
 from ..config import Settings
-from . import warehouse
+from . import runstate, warehouse
 from .warehouse import CATALOG, utcnow
 
 __all__ = ["MaintenanceResult", "MaintenanceRefused", "maintain", "count_files"]
@@ -100,6 +110,31 @@ def _check_data_path(settings: Settings, conn: duckdb.DuckDBPyConnection) -> str
     return root
 
 
+def writer_tag(run_id: str) -> str:
+    """The tag a run's files carry before their commit: see the module."""
+    return hashlib.sha256(run_id.encode()).hexdigest()[:12]
+
+
+def pending_name(run_id: str) -> str:
+    """A name for a file run ``run_id`` writes before its commit (``stages/load.py`` ``prewrite``)."""
+    return f"featurehouse-w{writer_tag(run_id)}-{uuid.uuid4()}.parquet"
+
+
+_PENDING = re.compile(r"featurehouse-w([0-9a-f]{12})-[0-9a-f-]{36}\.parquet$")
+
+
+def _live_writers(c: duckdb.DuckDBPyConnection, paths: list[str]) -> dict[str, str]:
+    """Of ``paths``, those a live run wrote before its commit: path -> that run's id."""
+    tags = {m.group(1): p for p in paths if (m := _PENDING.search(p))}
+    if not tags:
+        return {}
+    abandoned = runstate.find_abandoned(c)
+    running = [r for (r,) in warehouse.execute(c, "SELECT run_id FROM runs WHERE status = 'running'").fetchall()
+               if r not in abandoned]
+    by_tag = {writer_tag(r): r for r in running}
+    return {p: by_tag[t] for t, p in tags.items() if t in by_tag}
+
+
 def _step(function: str, args: str, params: dict, root: str, *, deletes: bool):
     """One maintenance call as a transaction body. A deleting one lists the files DuckLake would
     delete first (a dry run, in the same transaction, under the commit lock) and deletes nothing
@@ -114,6 +149,11 @@ def _step(function: str, args: str, params: dict, root: str, *, deletes: bool):
                 raise MaintenanceRefused(
                     f"maintenance would delete {len(outside)} file(s) outside the warehouse's data folder {root} "
                     f"(e.g. {outside[0]}); it deleted nothing")
+            if live := _live_writers(c, [p for (p,) in listed]):
+                runs = sorted(set(live.values()))
+                log.warning("maintenance: %d unreferenced file(s) belong to run(s) still running (%s), which may "
+                            "yet commit them: %s deletes nothing this time", len(live), ", ".join(runs[:3]), function)
+                return
         c.execute(call, params)
 
     return body

@@ -31,7 +31,6 @@ again with a newer capture time are decided without parsing them (``settle_again
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -39,6 +38,7 @@ from datetime import datetime, timezone
 import duckdb
 import pyarrow as pa
 
+from ..lake.maintain import pending_name
 from ..lake.warehouse import CATALOG, bind, data_path, literal, one_snapshot, utcnow
 from .materialise import compute_changed, excerpt_from, stats_without_rows
 from .records import ARROW_SCHEMAS
@@ -441,7 +441,7 @@ def prewrite(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *, rep
             folder = folders[table]
             if "://" not in folder:
                 os.makedirs(folder, exist_ok=True)  # DuckLake makes a table's folder at its first write
-            path = f"{folder}featurehouse-{uuid.uuid4()}.parquet"
+            path = f"{folder}{pending_name(run_id)}"
             conn.execute(f"COPY ({_rows_sql(conn, table, now, run_id)}) TO {literal(path)} "
                          f"(FORMAT parquet, ROW_GROUP_SIZE {_ROW_GROUP_SIZE}, COMPRESSION zstd)")
             plan.files[table] = path
@@ -493,6 +493,11 @@ def _as_planned(conn: duckdb.DuckDBPyConnection, table: str) -> bool:
            AND NOT EXISTS (SELECT * FROM planned_{table} EXCEPT SELECT _row, captured_at_ FROM incoming_{table})""").fetchone()[0]
 
 
+def _still_there(conn: duckdb.DuckDBPyConnection, path: str) -> bool:
+    """Whether the prewritten file is there (a folder or an S3 prefix: DuckDB lists it)."""
+    return conn.execute("SELECT count(*) FROM glob(?)", [path]).fetchone()[0] > 0
+
+
 def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, *,
                    reprocess: bool = False, prewritten: Prewritten | None = None) -> tuple[dict[str, dict[str, int]], list[dict]]:
     """Replace, for every capture that applies, its feature's rows; the caller holds the
@@ -520,7 +525,9 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
         if has[table]:
             delete(conn, table, prewritten)
         path = prewritten.files.get(table) if prewritten is not None else None
-        if path is not None and _as_planned(conn, table):
+        # a file that is gone (deleted as an orphan by a maintenance that did not know its run
+        # was live, or by hand) is not added: its rows are written here, under the lock
+        if path is not None and _as_planned(conn, table) and _still_there(conn, path):
             conn.execute(f"CALL ducklake_add_data_files('{CATALOG}', '{table}', ?)", [path])
             prewritten.used.add(table)
         else:
