@@ -16,15 +16,21 @@ import sys
 import threading
 from pathlib import Path
 
-import click
-import duckdb
-import orjson
+# An ingest notes a SIGTERM from the moment this module loads (its imports, then the stages',
+# take a second or more): the default action ended the process with no word and no run row.
+_EARLY_SIGTERM: list[int] = []
+if "ingest" in sys.argv[1:3] and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, lambda signum, frame: _EARLY_SIGTERM.append(signum))
 
-from .config import Settings
-from .lake import warehouse as warehouse_mod
-from .lake.landing import LandingFailed, disk_full
-from .names import BadRunId, check_run_id
-from .signals import importing
+import click  # noqa: E402
+import duckdb  # noqa: E402
+import orjson  # noqa: E402
+
+from .config import Settings  # noqa: E402
+from .lake import warehouse as warehouse_mod  # noqa: E402
+from .lake.landing import LandingFailed, disk_full  # noqa: E402
+from .names import BadRunId, check_run_id  # noqa: E402
+from .signals import importing  # noqa: E402
 
 # The ingest stages (Great Expectations, pandas) are imported by the commands that use them,
 # so that the commands that only read (`search`, `similar`, `by-token`, `show`) start quickly.
@@ -155,9 +161,15 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-v", "--verbose", is_flag=True, help="Log what each stage does.")
-def cli(verbose: bool) -> None:
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
     """featurehouse: Neuronpedia feature pages into a warehouse (DuckLake) you can query with DuckDB."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if ctx.invoked_subcommand == "ingest":
+        if _EARLY_SIGTERM:
+            click.echo("featurehouse: ingest terminated by SIGTERM before it started: nothing was loaded", err=True)
+            sys.exit(128 + _EARLY_SIGTERM[0])
+        signal.signal(signal.SIGTERM, _terminated)  # from here on, as the command's own handler
 
 
 def print_summary(s) -> None:
@@ -277,11 +289,13 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
                                        f"({str(exc).splitlines()[0]}; this user may not write there); the run "
                                        f"stopped\n{_with_notes(exc, first=False)}") from None
         raise
-    except BaseException:
-        if _TERMINATED:  # ingest has recorded the run (as failed, unless only its report was left)
-            notes = "; ".join(getattr(sys.exc_info()[1], "__notes__", ())) or "the run is recorded as failed"
-            click.echo(f"featurehouse: ingest terminated by SIGTERM; {notes}", err=True)
-            sys.exit(128 + _TERMINATED[0])
+    except BaseException as exc:
+        stopped = "terminated by SIGTERM" if _TERMINATED else "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else None
+        if stopped:  # ingest has recorded the run (as failed, unless only its report was left)
+            notes = "; ".join(getattr(exc, "__notes__", ())) or (
+                "it stopped before its run was recorded: nothing was loaded")
+            click.echo(f"featurehouse: ingest {stopped}; {notes}", err=True)
+            sys.exit(128 + _TERMINATED[0] if _TERMINATED else 130)
         raise
     # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs
     judged = verdict(summary.as_dict())
@@ -290,7 +304,12 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     else:
         print_summary(summary)
         click.echo(f"  verdict  {judged.level}: {judged.reason}")
-    _refresh_find(settings)
+    try:
+        _refresh_find(settings)
+    except (Terminated, KeyboardInterrupt):
+        click.echo(f"featurehouse: stopped while refreshing the find index; run {summary.run_id} is recorded as "
+                   "succeeded (its data is loaded): `featurehouse index` brings the index up to date", err=True)
+        sys.exit(128 + _TERMINATED[0] if _TERMINATED else 130)
     if strict and judged.level == "FAIL":
         sys.exit(EXIT_VERDICT_FAIL)
 
@@ -563,6 +582,8 @@ def _refresh_find(settings: Settings) -> None:
     try:
         info = find.refresh_index(settings)
     except Exception as exc:  # the index is derived: the next query says it is stale
+        if _TERMINATED:  # a SIGTERM inside a DuckDB statement surfaces as "Query interrupted"
+            raise Terminated(128 + _TERMINATED[0]) from None
         click.echo(f"  find     the find index could not be refreshed ({exc}); run `featurehouse index`", err=True)
         return
     click.echo(f"  find     index {info.mode} at snapshot {info.snapshot_id} in {info.seconds:.2f}s "
