@@ -51,7 +51,7 @@ constraints: setup ## Pin what .venv holds now into constraints.txt (after a cha
 lint: setup ## Lint and check formatting with ruff
 	$(BIN)/ruff check pipeline dags tests bench
 
-bench: setup ## Benchmark ingest against DuckDB read_json (full N=250/1000, re-run, one new page, 1 GiB export batch), then finding features
+bench: setup ## Benchmark ingest against DuckDB read_json, wall and CPU (full N=250/1000 on two page generators, re-run, one new page, 1 GiB export batch, a whole generated source through ingest and fetch exports), then finding features
 	@$(BIN)/python -m compileall -q pipeline  # as `make test`: no process of the bench compiles our modules again
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 	$(BIN)/python bench/find_bench.py $(FIND_BENCH_ARGS)

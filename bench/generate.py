@@ -87,14 +87,46 @@ def synthetic_pages(n: int, *, start: int = 0, seed: int = 0, **kw) -> Iterator[
         yield synthetic_page(i, seed=seed, **kw)
 
 
-def write_pages(n: int, out: Path, *, start: int = 0, seed: int = 0, valid: bool = False) -> list[Path]:
+#: The page generators: ``a`` writes compact JSON (orjson) with the seed's excerpt lengths; ``b``
+#: writes as Python's ``json.dumps`` does (a space after every ``,`` and ``:``), every value as a
+#: float (``0.0``, not ``0``), and excerpts cut or repeated to other lengths (16 to 2x the seed's),
+#: so that no one serializer or shape flatters a comparison with DuckDB's read_json.
+GENERATORS = ("a", "b")
+
+
+def _reshape(page: dict, rng: random.Random) -> dict:
+    """Generator ``b``'s excerpts: each cut to, or repeated up to, a length of its own; a bad
+    record (tokens and values of different lengths) stays bad; values written as floats."""
+    for a in page["activations"]:
+        toks, vals = a["tokens"], a["values"]
+        n = rng.randint(16, 2 * max(len(vals), 16))
+        gap = len(toks) - len(vals)  # the seed's bad record keeps its mismatch
+        reps = -(-n // max(len(vals), 1))
+        vals = [float(v) for v in (vals * reps)[:n]]
+        toks = (toks * reps)[:max(n + gap, 1)] if toks else toks
+        a["tokens"], a["values"] = toks, vals
+        a["maxValue"] = float(max(vals)) if vals else 0.0
+        a["minValue"] = float(min(vals)) if vals else 0.0
+        a["maxValueTokenIndex"] = vals.index(max(vals)) if vals else 0
+    page["maxActApprox"] = float(page["maxActApprox"])
+    return page
+
+
+def write_pages(n: int, out: Path, *, start: int = 0, seed: int = 0, valid: bool = False,
+                generator: str = "a") -> list[Path]:
     """Write ``n`` one-line API-JSON pages into ``out``; by default each carries the seed's bad
-    record (``valid=False``), as real pages do."""
+    record (``valid=False``), as real pages do. ``generator``: see :data:`GENERATORS`."""
+    import json
+
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for page in synthetic_pages(n, start=start, seed=seed, valid=valid):
         p = out / f"{page['modelId']}__{page['layer']}__{page['index']}.json"
-        p.write_bytes(orjson.dumps(page))
+        if generator == "b":
+            page = _reshape(page, random.Random(f"b:{seed}:{page['index']}"))
+            p.write_text(json.dumps(page, ensure_ascii=False), encoding="utf-8")
+        else:
+            p.write_bytes(orjson.dumps(page))
         paths.append(p)
     return paths
 
@@ -151,8 +183,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/out/pages"))
     ap.add_argument("--valid", action="store_true", help="repair the seed's bad record in every page")
+    ap.add_argument("--generator", choices=GENERATORS, default="a")
     a = ap.parse_args()
-    paths = write_pages(a.n, a.out, start=a.start, seed=a.seed, valid=a.valid)
+    paths = write_pages(a.n, a.out, start=a.start, seed=a.seed, valid=a.valid, generator=a.generator)
     print(f"wrote {len(paths)} pages to {a.out}")
 
 
