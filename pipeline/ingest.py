@@ -56,7 +56,7 @@ from .stages.load import (
     prewrite,
     record_captures,
     replace_staged,
-    retime,
+    retime_checked,
     settle_again,
     upsert_reference,
 )
@@ -180,6 +180,7 @@ class _Batch:
         self.reread: list[str] = []  # of those, landed before (--reprocess, a limit raised, a newer capture)
         self.again: list[tuple[Landed, datetime]] = []  # bytes taken before, come again: decided at the flush
         self.retimes: dict[str, datetime] = {}  # bytes still loaded whose newer capture time is recorded
+        self.retimed: dict[str, Landed] = {}  # ... and their inputs, read after all if the commit decides so
         self.n_activations = 0
         self.n_bytes = 0
         self.scratch: Path | None = None  # local copies of its S3 pages, for DuckDB to read
@@ -295,6 +296,8 @@ class _Run:
         # parts of one run number their batches apart: part i's are i * PART_BATCHES + 1, + 2, ...
         self.batch_no = (summary.part or 0) * PART_BATCHES
         self.captured: dict[str, datetime] = {}  # input digest → when this capture was made
+        self.requeued: list[tuple[Landed, datetime]] = []  # inputs a commit sent back to be read (_requeue)
+        self.retimed_any = False  # a batch decided a retime since flush_requeued last looked
         # Inputs already landed. Those refused only for a size limit are looked at again: raising
         # FEATUREHOUSE_MAX_* is how a person acts on that reason, so the outcome may change.
         with warehouse.one_snapshot(conn):
@@ -456,11 +459,16 @@ class _Run:
                 "AND captured_at IS NOT NULL", {"shas": batch.reread}).fetchall())
             for sha, at in recorded.items():
                 self.captured[sha] = max(self.captured[sha], at)
+        if n_retimes := sum(d == "retime" for d in decided.values()):
+            log.info("%d input(s) landed before came again with a newer capture time: only the time moves "
+                     "(decided again at the commit)", n_retimes)
         for sha, (landed, when) in newest.items():
             if decided.get(sha) != AGAIN_READ:
                 self._skip(batch, landed)
                 if decided.get(sha) == "retime":
                     batch.retimes[sha] = when
+                    batch.retimed[sha] = landed
+                    self.retimed_any = True
                 continue
             self.summary.n_reread += 1
             self.seen_this_run.add(sha)
@@ -469,6 +477,40 @@ class _Run:
             batch.reread.append(sha)
             small = landed.n_bytes <= self.settings.max_input_bytes
             self._route(replace(landed, data=read_landed(landed.path) if small else None), batch)
+
+    @staticmethod
+    def _without_moved(run_inputs: list[dict], moved: list[str]) -> tuple[list[dict], int]:
+        """The run_inputs rows less the 'duplicate' ones of inputs the commit decided to read
+        after all (they are read after it, and recorded then); and how many were left out."""
+        if not moved:
+            return run_inputs, 0
+        rows = [r for r in run_inputs if not (r["outcome"] == "duplicate" and r["input_sha256"] in moved)]
+        return rows, len(run_inputs) - len(rows)
+
+    def _requeue(self, batch: _Batch, moved: list[str]) -> int:
+        """Inputs whose retime the commit found moved (see ``load.retime_checked``): read again in
+        a batch after this one (``requeued``); returns how many 'duplicate' rows that undid."""
+        undone = 0
+        for sha in moved:
+            self.requeued.append((batch.retimed[sha], batch.retimes[sha]))
+            undone += sum(r["outcome"] == "duplicate" and r["input_sha256"] == sha for r in batch.run_inputs)
+        if moved:
+            log.info("%d input(s) decided 'only move the capture time' lost their features to another writer's "
+                     "commit in between: read again", len(moved))
+        return undone
+
+    def flush_requeued(self) -> None:
+        """Read the inputs commits sent back (see :meth:`_requeue`), until none is. Waits for
+        the batch loading only when a batch retimed something (else the report's work overlaps
+        the last load, see :meth:`close`)."""
+        while self.retimed_any:
+            self.retimed_any = False
+            self.wait_loaded()
+            if not self.requeued:
+                return
+            batch = _Batch()
+            batch.again, self.requeued = self.requeued, []
+            self.flush(batch)
 
     def _skip(self, batch: _Batch, landed: Landed) -> None:
         """Count an input as already landed and skipped, and record that this run saw it."""
@@ -632,15 +674,19 @@ class _Run:
         """Commit the run_inputs rows of a batch of inputs all landed before, and the run's counts."""
         s, run_id = self.summary, self.summary.run_id
 
-        def body(conn: duckdb.DuckDBPyConnection) -> dict[str, float]:
-            retime(conn, batch.retimes)
-            insert_values(conn, "run_inputs", batch.run_inputs)
+        def body(conn: duckdb.DuckDBPyConnection) -> tuple[dict[str, float], list[str]]:
+            moved = retime_checked(conn, batch.retimes)
+            rows, undone = self._without_moved(batch.run_inputs, moved)
+            insert_values(conn, "run_inputs", rows)
             counts = {c: getattr(s, c) for c in COUNTERS} | s.sync_commit_stats()
+            counts["n_duplicates"] -= undone  # read after all, after this commit
             write_counts(conn, s, counts)  # a part adds its own; never overwrites the other parts'
-            return counts
+            return counts, moved
 
-        counts = warehouse.transaction(self.conn, self.settings, body, message=f"run {run_id} inputs seen before",
-                                       extra={"run_id": run_id}, stats=s.stats)
+        counts, moved = warehouse.transaction(self.conn, self.settings, body,
+                                              message=f"run {run_id} inputs seen before",
+                                              extra={"run_id": run_id}, stats=s.stats)
+        s.n_duplicates -= self._requeue(batch, moved)
         if s.part is not None:
             s.written = counts
 
@@ -730,7 +776,7 @@ class _Run:
         quarantine, results, run_inputs = self._bookkeeping(conn, batch, outcome, now, batch_no, failed, lines)
 
         def body(conn: duckdb.DuckDBPyConnection) -> dict[str, int]:
-            retime(conn, batch.retimes)
+            moved = retime_checked(conn, batch.retimes)
             loaded, older = replace_staged(conn, now, run_id, reprocess=self.reprocess, prewritten=prewritten)
             record_captures(conn, now, run_id, prewritten)
             for table in REFERENCE_KEYS:  # (decided before the lock, unless a commit came in between)
@@ -747,17 +793,21 @@ class _Run:
             insert_rows(conn, "quarantine", quarantine)
             insert_rows(conn, "validation_results", results)
             self._record_inputs(conn, batch, loaded, now, known="raw_inputs" not in prewritten.skipped())
-            insert_values(conn, "run_inputs", run_inputs)
+            rows, undone = self._without_moved(run_inputs, moved)
+            insert_values(conn, "run_inputs", rows)
             delta = {f"n_{t}": sum(loaded[t].values()) for t in _DATA_TABLES}
             delta |= {"n_quarantined": len(failed) + len(batch.bad_lines), "n_superseded": len(gone),
-                      "n_expectations": len(results), "n_expectations_failed": sum(not r["success"] for r in results)}
+                      "n_expectations": len(results), "n_expectations_failed": sum(not r["success"] for r in results),
+                      "n_duplicates": -undone}
             counts = {c: base[c] + delta.get(c, 0) for c in COUNTERS} | s.sync_commit_stats()
             write_counts(conn, s, counts)
-            return delta, counts
+            return delta, counts, moved
 
         with s.timed("commit"):
-            delta, counts = warehouse.transaction(conn, self.settings, body, message=f"run {run_id} batch {batch_no}",
-                                                  extra={"run_id": run_id, "batch": batch_no}, stats=s.stats)
+            delta, counts, moved = warehouse.transaction(conn, self.settings, body,
+                                                         message=f"run {run_id} batch {batch_no}",
+                                                         extra={"run_id": run_id, "batch": batch_no}, stats=s.stats)
+        self._requeue(batch, moved)  # (the count of 'duplicate' rows it undid is in delta)
         materialise.forget_computed(conn)
         forget_decided(conn)
         # committed: a file the commit did not add is no table's (after a failure, all of them
@@ -1014,6 +1064,7 @@ def ingest(
                         batch = _Batch()
                     bar.set_postfix(loaded=summary.n_loaded, rejected=summary.n_rejected, refresh=False)
                 run.flush(batch)
+                run.flush_requeued()
             run.close()
             run.use_threads(run.n_bytes)  # the statistics and the report: as large as the run
             _stop_if_signalled(came)

@@ -183,6 +183,51 @@ def test_a_commit_whose_files_vanished_writes_its_rows_under_the_lock(tmp_path):
     assert not pending & _registered(settings)
 
 
+def test_a_retime_decided_before_the_lock_is_decided_again_under_it(tmp_path):
+    """Issue 41 item 1: bytes X loaded as captured in January come again dated April; the writer
+    decides "only move the capture time" before the lock. Meanwhile Y, a capture of the same
+    feature dated March, commits. The retime, committed as decided, kept Y@March in every table
+    (and raw_inputs said April: re-running X changed nothing). Decided again under the lock, X is
+    read again and, the newest capture, loads: as one writer in capture order gives."""
+    import threading
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("x", datetime(2026, 1, 1), tmp_path / "jan")], settings)
+    x_apr = _page("x", datetime(2026, 4, 1), tmp_path / "apr")
+    # and a page of another feature, new: the batch loads it too (its checks keep the writer
+    # busy a few seconds between its decision and its commit)
+    write(tmp_path / "apr" / "other.json", to_api_json(good_page(8, source="race-src")))
+    proc = subprocess.Popen([str(FEATUREHOUSE), "-v", "ingest", str(tmp_path / "apr"),
+                             "--warehouse", str(settings.warehouse), "--no-progress"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+    reader.start()
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: any("only the time moves" in line for line in said), 120, proc)
+        run_ingest([_page("y", datetime(2026, 3, 1), tmp_path / "mar")], settings)  # the lock is ours
+        assert query(settings.warehouse, "SELECT description FROM explanations WHERE feature_index = 7") == [("y",)]
+    out = proc.stdout.read()
+    proc.wait(timeout=300)
+    reader.join(10)
+    assert proc.returncode == 0, out + "".join(said)
+    # as one writer in capture order: X (April) is the loaded capture, in every table
+    assert query(settings.warehouse, "SELECT description FROM explanations WHERE feature_index = 7") == [("x",)]
+    x_sha = hashlib.sha256(x_apr.read_bytes()).hexdigest()
+    held = query(settings.warehouse, "SELECT DISTINCT input_sha256, captured_at FROM feature_captures "
+                 "WHERE feature_index = 7")
+    assert held == [(x_sha, datetime(2026, 4, 1))], held
+    assert query(settings.warehouse, "SELECT DISTINCT input_sha256 FROM activations WHERE feature_index = 7") == [(x_sha,)]
+    assert query(settings.warehouse, "SELECT count(*) FROM features") == [(2,)]
+    assert query(settings.warehouse, "SELECT captured_at FROM raw_inputs WHERE input_sha256 = ?",
+                 [x_sha]) == [(datetime(2026, 4, 1),)]
+    # the run recorded X once, as read, not as a duplicate
+    last = query(settings.warehouse, "SELECT run_id FROM runs ORDER BY started_at DESC LIMIT 1")
+    outcomes = query(settings.warehouse, "SELECT outcome FROM run_inputs WHERE input_sha256 = ? AND run_id <> "
+                     "(SELECT run_id FROM runs ORDER BY started_at LIMIT 1) AND run_id <> ?", [x_sha, last[0][0]])
+    assert ("duplicate",) not in outcomes, outcomes
+
+
 def test_the_decision_reads_one_snapshot_and_an_error_inside_leaves_no_transaction(tmp_path):
     """``one_snapshot`` (what prewrite decides in): every read inside sees the snapshot the first
     one saw, even after another writer commits; an error inside rolls it back, leaving the

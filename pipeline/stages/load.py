@@ -45,7 +45,7 @@ from .records import ARROW_SCHEMAS
 
 __all__ = [
     "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
-    "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "AGAIN_READ", "Prewritten", "prewrite",
+    "insert_rows", "utcnow", "record_captures", "settle_again", "retime", "retime_checked", "AGAIN_READ", "Prewritten", "prewrite",
     "prestats", "mark_changed_features", "changed_reference", "forget_decided",
 ]
 
@@ -273,6 +273,20 @@ def retime(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> None:
                                AND coalesce(t.captured_at, {_OLDEST}) < r.captured_at""")
     finally:
         conn.execute("DROP TABLE IF EXISTS temp._retime")
+
+
+def retime_checked(conn: duckdb.DuckDBPyConnection, again: dict[str, datetime]) -> list[str]:
+    """:func:`retime`, its decision taken again first: inside the load's transaction, under the
+    commit lock, :func:`settle_again` is asked again against the snapshot the commit writes on.
+    A capture decided "only move its time" before the lock may since have lost its features to
+    another writer's capture (older than this one, newer than the bytes' first): only those still
+    to be retimed are; the digests returned are now to be read again (:data:`AGAIN_READ`), which
+    the caller does after the commit. (Those now ``skip``: another writer moved the time already.)"""
+    if not again:
+        return []
+    decided = settle_again(conn, again)
+    retime(conn, {sha: at for sha, at in again.items() if decided.get(sha) == "retime"})
+    return sorted(sha for sha in again if decided.get(sha) == AGAIN_READ)
 
 
 def _times_table(conn: duckdb.DuckDBPyConnection, name: str, times: dict[str, datetime]) -> None:
