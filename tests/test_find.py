@@ -139,6 +139,17 @@ def test_search_stems_phrases_and_narrows(finder):
     assert finder.search("qwertyuiop").rows == []
 
 
+@pytest.mark.parametrize("word", ["when", "about", "from", "the"])
+def test_search_finds_every_word_a_description_holds(lake, finder, word):
+    """Issue 45: `search first` answered "(no match)" although descriptions hold the word: the
+    index dropped the fts extension's English stop words. Each is a word like any other now."""
+    got = finder.search(word, limit=N_FEATURES + 10)
+    holding = [r for (r,) in query(lake[0], "SELECT count(*) FROM explanations WHERE "
+                                            "list_contains(string_split(lower(description), ' '), ?)", [word])]
+    assert holding[0] > 0 and len(got.rows) == holding[0]
+    assert all(word in r[3].lower().split() for r in got.rows)
+
+
 def _brute_by_token(settings, token: str, fold) -> list[tuple]:
     rows = query(settings, 'SELECT model_id, source_id, feature_index, tokens, "values", max_value_token_index '
                            "FROM activations")

@@ -67,7 +67,8 @@ __all__ = [
 log = logging.getLogger("featurehouse")
 
 EMBEDDING_DIM = 256  # records.EMBEDDING_DIM; not imported: the stages pull in the whole ingest
-INDEX_VERSION = 3  # 2: the warehouse's identity and its find tables' fingerprint in meta; 3: its snapshot's time
+INDEX_VERSION = 4  # 2: the warehouse's identity and its find tables' fingerprint in meta; 3: its snapshot's time;
+# 4: every word of a description indexed (no stop words)
 _F32_MARGIN = 1e-4  # far above float32's error on a cosine of 256 values (~1e-6)
 _FIND_TABLES = ("explanations", "features", "feature_activation_stats", "feature_token_stats")
 _REFRESH_WHOLE_SHARE = 0.25  # past this share of changed features, a refresh builds anew
@@ -538,8 +539,11 @@ def _load_rows(idx: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection, 
 
 
 def _fts(idx: duckdb.DuckDBPyConnection) -> None:
+    # no stop words: a feature's description is a few words, and "first", "new", "somewhere" or
+    # "about" carry its meaning (the fts extension's English list drops 571 such words, and a
+    # search for one of them found nothing, saying nothing); BM25 weighs common words down itself
     idx.execute("PRAGMA create_fts_index('docs', 'doc_id', 'description', stemmer = 'porter', "
-                "stopwords = 'english', overwrite = 1)")
+                "stopwords = 'none', overwrite = 1)")
 
 
 #: Bring the fts extension's index tables (fts_main_docs: docs, terms, dict, stats) in line
