@@ -120,6 +120,8 @@ def _csv_cell(value):
         return _json_dumps(value)
     if isinstance(value, (bytes, bytearray, memoryview, datetime.timedelta)):
         return _plain(value)
+    if isinstance(value, bool):  # as DuckDB's CSV writer and every CSV reader have it, not True/False
+        return "true" if value else "false"
     return value
 
 
@@ -160,6 +162,7 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="featurehouse", prog_name="featurehouse")
 @click.option("-v", "--verbose", is_flag=True, help="Log what each stage does.")
 @click.pass_context
 def cli(ctx: click.Context, verbose: bool) -> None:

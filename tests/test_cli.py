@@ -70,6 +70,17 @@ def test_sql_json_keeps_every_column_when_names_repeat(warehouse):
     assert list(json.loads(proc.stdout)[0]) == ["extra", "extra_1"]
 
 
+def test_a_mistyped_table_is_named_with_the_nearest_and_booleans_are_csv_booleans(warehouse):
+    """Issue 45: a mistyped table got ~900 characters of read-only rules and no "did you mean";
+    --format csv wrote Python's True/False."""
+    wh, _ = warehouse
+    proc = fh("sql", "SELECT * FROM feature", "--warehouse", str(wh))
+    assert proc.returncode == 1 and "did you mean features?" in proc.stderr and len(proc.stderr) < 250, proc.stderr
+    proc = fh("sql", "SELECT true AS t, false AS f, NULL::BOOLEAN AS n", "--warehouse", str(wh), "--format", "csv")
+    assert proc.stdout.splitlines() == ["t,f,n", "true,false,"]
+    assert fh("--version").stdout.startswith("featurehouse, version ")
+
+
 def test_sql_table_is_the_default(warehouse):
     wh, _ = warehouse
     proc = fh("sql", "SELECT count(*) AS n_activations FROM activations", "--warehouse", str(wh))

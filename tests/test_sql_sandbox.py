@@ -124,7 +124,7 @@ def test_queries_over_the_warehouse_still_work(wh):
     proc = fh("sql", f"SELECT count(*) > 0 AS ok FROM glob('{data}/**/*.parquet')", "--warehouse", str(wh),
               "--format", "csv")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["ok", "True"]
+    assert proc.stdout.split() == ["ok", "true"]
 
 
 @pytest.mark.parametrize("sql", [

@@ -1107,6 +1107,20 @@ def _is_relation(known: set[tuple[str, str, str]], catalog: str, schema: str, na
     return any(d in (CATALOG, "system", "temp") and s in ("main", "pg_catalog") for d, s, n in known if n == name)
 
 
+class _NoSuchTable(str):
+    """A name that is no table of the warehouse: most often a typo, so the refusal names the
+    nearest table (difflib) instead of the read-only rules, which are not what went wrong."""
+
+    def __new__(cls, shown: str, known: set[tuple[str, str, str]]) -> _NoSuchTable:
+        import difflib
+
+        tables = sorted({n for d, s, n in known if d == CATALOG and s == "main"})
+        near = difflib.get_close_matches(shown.split(".")[-1].lower(), tables, n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]}?" if near else ""
+        return super().__new__(cls, f"{shown!r}, which is not a table of the warehouse{hint} (SHOW TABLES lists "
+                                    "them; a file name is read as a table name)")
+
+
 def _refused_in(tree: Any, known: set[tuple[str, str, str]], ctes: frozenset[str] = frozenset()) -> str | None:
     """What in a serialized statement is not a read (a table function off the list, a name that
     is not a table, ...), or None."""
@@ -1147,7 +1161,9 @@ def _refused_in(tree: Any, known: set[tuple[str, str, str]], ctes: frozenset[str
                 pass
             elif not _is_relation(known, catalog, schema, name):
                 shown = ".".join(x for x in (tree.get("catalog_name"), tree.get("schema_name"), tree.get("table_name")) if x)
-                return f"{shown!r}, which is not a table of the warehouse (a file name is read as one)"
+                if "/" in name or "\\" in name or "." in name:  # a file's name: files are not read
+                    return f"{shown!r}, which is not a table of the warehouse (a file name is read as one)"
+                return _NoSuchTable(shown, known)
         elif kind == "SHOW_REF" and not tree.get("query") and tree.get("show_type") != "SHOW_FROM" \
                 and tree.get("table_name") not in _SHOW_LISTS:
             return f"SHOW {tree.get('table_name')}"
@@ -1313,7 +1329,8 @@ def _check(conn: duckdb.DuckDBPyConnection, sql: str, known: set[tuple[str, str,
                                f"with its values: PIVOT ... ON col IN (...)). {READ_ONLY_HELP}")
     for tree in trees:
         if found := _refused_in(tree, known):
-            raise RefusedQuery(f"refused {found}. {READ_ONLY_HELP}")
+            raise RefusedQuery(f"refused {found}" if isinstance(found, _NoSuchTable) else
+                               f"refused {found}. {READ_ONLY_HELP}")
 
 
 # --- the process that runs them cannot write --------------------------------------------------------
