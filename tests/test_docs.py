@@ -103,3 +103,25 @@ def test_the_slug_rule():
     assert slug("With Docker: `make up`") == "with-docker-make-up"
     assert slug("Two roads in") == "two-roads-in"
     assert slug("What `--batches A:B` selects") == "what---batches-ab-selects"
+
+
+def test_the_tables_page_excerpt_query_gives_the_peak_in_the_middle(tmp_path):
+    """Issue 45: docs/tables.md's "excerpt around the strongest activation" was off by one (the
+    index counts from 0, lists from 1) and gave [] for a peak in the first five tokens. Run as
+    printed, against a warehouse of the seed page: each context holds the peak token, five
+    tokens each side where there are."""
+    import re
+
+    from pipeline import Settings
+    from tests.conftest import FIXTURES, query, run_ingest
+
+    text = (ROOT / "docs" / "tables.md").read_text()
+    sql = re.search(r"(SELECT activation_id, max_value,\s+list_slice.*?LIMIT 3;)", text, re.S).group(1)
+    sql = sql.replace("ORDER BY max_value DESC LIMIT 3", "ORDER BY activation_id")
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([FIXTURES], settings)
+    got = dict(((a, tuple(c)) for a, _, c in query(settings, sql)))
+    for a, tokens, peak in query(settings, "SELECT activation_id, tokens, max_value_token_index FROM activations "
+                                           "WHERE feature_index = 45698"):
+        want = tuple(tokens[max(peak - 5, 0):peak + 6])
+        assert got[a] == want, (a, peak)
