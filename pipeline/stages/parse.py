@@ -252,10 +252,12 @@ def parse_bytes(data: bytes, settings: Settings | None = None) -> ParsedInput:
         )
     else:
         _utf8(body, "input")  # say so when it is not text at all (UTF-16, binary)
-        sample = body[:60].decode("utf-8", "ignore").replace("\n", " ")
+        # its first characters, to recognise it by: anything but printable ASCII escaped, so
+        # that a terminal shows no stranger's text (the bundled spam sample's, say) as written
+        sample = body[:40].decode("utf-8", "ignore").replace("\n", " ")
         raise Rejected(
             "not a Neuronpedia feature page: it is neither JSON, flight text nor a saved "
-            f"Neuronpedia HTML page (it starts with {sample!r})"
+            f"Neuronpedia HTML page (it starts with {ascii(sample)})"
         )
     parsed.format = InputFormat(parsed.format)
     if prefix:
