@@ -136,7 +136,7 @@ def test_verdict_is_warn_with_its_rule(seed_run):
     page = path.read_text()
     assert '<div class="verdict WARN" id="verdict">' in page
     assert "Decided by rule 5" in page
-    assert "1 input(s) rejected, 1 record(s) quarantined, 1 expectation result(s) failed" in page
+    assert re.search(r"1 of 2 input\(s\) rejected, 1 record\(s\) quarantined, 1 of \d+ expectation result\(s\) failed", page)
     for _, cond in VERDICT_RULES:
         assert cond in html.unescape(page)
 
@@ -612,3 +612,12 @@ def test_a_control_character_in_a_description_does_not_abort_the_report(tmp_path
     assert out["n_loaded"] == 1 and out["report_path"] and Path(out["report_path"]).is_file()
     page_html = Path(out["report_path"]).read_text()
     assert "\x1b" not in page_html.split("<svg", 1)[-1].split("</svg>", 1)[0]
+
+
+def test_a_warn_says_each_count_out_of_what():
+    """Issue 45: a night that lost URLs said "50 URL(s) failed" with no "of 100", the same words
+    as one quarantined record."""
+    v = verdict({"status": "succeeded", "n_received": 60, "n_loaded": 60, "n_fetch_failed": 40,
+                 "n_quarantined": 1, "n_expectations": 30, "n_expectations_failed": 2})
+    assert v.level == "WARN"
+    assert v.reason == "1 record(s) quarantined, 2 of 30 expectation result(s) failed, 40 of 100 URL(s) failed to fetch"

@@ -106,7 +106,11 @@ def verdict(run: dict[str, Any]) -> Verdict:
         share = ("all" if n["n_fetch_failed"] == fetched else f"{100 * n['n_fetch_failed'] / fetched:.0f}%")
         return Verdict("FAIL", 3, f"{n['n_fetch_failed']:,} of {fetched:,} URL(s) failed to fetch ({share}), "
                                   "see Fetch failures")
-    problems = [f"{n[k]:,} {what}" for k, what in (
+    # each count with what it is out of ("50 of 100 URL(s)"): one quarantined record and half a
+    # night's URLs lost must not read alike
+    n_expectations = int(run.get("n_expectations") or 0)
+    of = {"n_rejected": new, "n_fetch_failed": fetched, "n_expectations_failed": n_expectations}
+    problems = [f"{n[k]:,}{f' of {of[k]:,}' if of.get(k) else ''} {what}" for k, what in (
         ("n_rejected", "input(s) rejected"), ("n_quarantined", "record(s) quarantined"),
         ("n_expectations_failed", "expectation result(s) failed"),
         ("n_fetch_failed", "URL(s) failed to fetch")) if n[k]]
