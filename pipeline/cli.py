@@ -965,6 +965,24 @@ def fetch_exports_cmd(span, exports_url, model, source, warehouse, window, concu
     ), no_progress)
 
 
+def _set_verbose(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        logging.getLogger().setLevel(logging.INFO)
+
+
+def _verbose_everywhere(group: click.Group) -> None:
+    """``-v/--verbose`` after the command too (``featurehouse ingest x -v``), as before it."""
+    for command in group.commands.values():
+        if isinstance(command, click.Group):
+            _verbose_everywhere(command)
+        elif not any(p.name == "verbose" for p in command.params):
+            command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
+                                               callback=_set_verbose, help="Log what each stage does."))
+
+
+_verbose_everywhere(cli)
+
+
 def main() -> None:
     try:
         cli(prog_name="featurehouse")

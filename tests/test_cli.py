@@ -298,3 +298,12 @@ def test_a_sigterm_during_the_find_refresh_says_the_run_succeeded(tmp_path, monk
     assert result.exit_code == 143, result.output
     assert "stopped while refreshing the find index" in result.output and "recorded as succeeded" in result.output
     assert query(wh, "SELECT status FROM runs ORDER BY started_at DESC LIMIT 1") == [("succeeded",)]
+
+
+def test_verbose_after_the_command_too(warehouse):
+    """Issue 45: -v worked only before the command."""
+    wh, _ = warehouse
+    after = fh("report", "--warehouse", str(wh), "-v")
+    assert after.returncode == 0, after.stderr
+    assert "INFO featurehouse: report for" in after.stderr
+    assert "INFO featurehouse" not in fh("report", "--warehouse", str(wh)).stderr
