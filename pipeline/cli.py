@@ -141,7 +141,7 @@ def _unique_names(cols: list[str]) -> list[str]:
     return out
 
 
-def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40) -> None:
+def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40, max_width: int = 10_000) -> None:
     """Rows as a table (DuckDB's own rendering), CSV or JSON on stdout."""
     if fmt != "csv":
         cols = _unique_names(cols)
@@ -158,7 +158,7 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40
 
             c.register("result", pa.Table.from_pylist([dict(zip(cols, r)) for r in rows]) if rows
                        else pa.table({col: pa.array([], pa.string()) for col in cols}))
-            c.sql("SELECT * FROM result").show(max_rows=max_rows, max_width=10_000)
+            c.sql("SELECT * FROM result").show(max_rows=max_rows, max_width=max_width)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -367,6 +367,9 @@ _STATUS_COLUMNS = (
     ("quarantined", "n_quarantined"), ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
     ("fetch_failed", "n_fetch_failed"), ("not_found", "n_fetch_not_found"), ("why", "verdict_reason"),
 )
+#: What ``status`` shows without ``--wide``: a terminal's width (the why cut to fit).
+_STATUS_NARROW = ("run_id", "status", "verdict", "started_at", "seconds", "loaded", "rejected", "quarantined",
+                  "fetch_failed", "why")
 
 
 def _status_cell(run: dict, key: str):
@@ -376,6 +379,8 @@ def _status_cell(run: dict, key: str):
         return run["verdict"].reason if run["verdict"].level != "PASS" else ""
     if key == "seconds" and run[key] is not None:
         return round(run[key], 1)
+    if key == "started_at" and run[key] is not None:
+        return run[key].replace(microsecond=0)
     return run[key]
 
 
@@ -385,7 +390,8 @@ def _status_cell(run: dict, key: str):
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="A table and the warehouse's totals, or the runs as one JSON list on stdout (every "
                    "runs column, seconds, verdict, verdict_reason).")
-def status_cmd(warehouse, limit, fmt) -> None:
+@click.option("--wide", is_flag=True, help="Every count in the table (by default the columns that fit the terminal).")
+def status_cmd(warehouse, limit, fmt, wide) -> None:
     """Show recent runs, their verdicts (PASS, WARN, FAIL, and why when not PASS) and counts.
 
     A run still marked running whose process is gone (killed) shows as abandoned; nothing is
@@ -400,8 +406,14 @@ def status_cmd(warehouse, limit, fmt) -> None:
             _print_json([{k: v for k, v in r.items() if k != "verdict"}
                          | {"verdict": r["verdict"].level, "verdict_reason": r["verdict"].reason} for r in runs])
             return
-        rows = [tuple(_status_cell(r, c) for _, c in _STATUS_COLUMNS) for r in runs]
-        _print_rows([h for h, _ in _STATUS_COLUMNS], rows, "table")
+        columns = [(h, c) for h, c in _STATUS_COLUMNS if wide or h in _STATUS_NARROW]
+        rows = [tuple(_status_cell(r, c) for _, c in columns) for r in runs]
+        width = 10_000
+        if not wide and sys.stdout.isatty():  # DuckDB's renderer fits the table to the terminal
+            import shutil
+
+            width = shutil.get_terminal_size((120, 24)).columns
+        _print_rows([h for h, _ in columns], rows, "table", max_width=width)
         totals = conn.sql(
             "SELECT (SELECT count(*) FROM features), (SELECT count(*) FROM activations), "
             "(SELECT count(*) FROM explanations), (SELECT count(*) FROM quarantine), "

@@ -307,3 +307,31 @@ def test_verbose_after_the_command_too(warehouse):
     assert after.returncode == 0, after.stderr
     assert "INFO featurehouse: report for" in after.stderr
     assert "INFO featurehouse" not in fh("report", "--warehouse", str(wh)).stderr
+
+
+def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
+    """Issue 45: `status` was ~340 characters wide. In a terminal (tmux, 100 columns) it fits;
+    --wide shows every count."""
+    import shutil
+    import time
+
+    wh, _ = warehouse
+    narrow = fh("status", "--warehouse", str(wh))
+    assert "activations" not in narrow.stdout.split("warehouse holds")[0] and "why" in narrow.stdout
+    assert "activations" in fh("status", "--warehouse", str(wh), "--wide").stdout
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed: the terminal's width is not tried")
+    sock = f"fh-{os.getpid()}"
+    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", "100", "-y", "30",
+                    f"{FEATUREHOUSE} status --warehouse {wh}; sleep 30"], check=True)
+    try:
+        deadline = time.monotonic() + 60
+        screen = ""
+        while "warehouse holds" not in screen and time.monotonic() < deadline:
+            time.sleep(0.3)
+            screen = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p"], capture_output=True, text=True).stdout
+        assert "warehouse holds" in screen, screen
+        table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
+        assert table and max(len(ln) for ln in table) <= 100, table
+    finally:
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
