@@ -823,8 +823,21 @@ class _Run:
                        known: bool = True) -> None:
         """The batch's inputs in ``raw_inputs``, in the commit: what each loaded (``loaded``: rows
         per table and input digest) or why it was rejected. ``known=False``: none of them is
-        there yet (found before the lock, against the snapshot the commit still reads)."""
+        there yet (found before the lock, against the snapshot the commit still reads).
+
+        An input whose rows this commit did not load may hold rows all the same: another writer
+        loaded the same bytes between this batch's decision and its commit (two ingests of one
+        file at once). Its counts are what the tables hold of it, read under the lock, not the
+        commit's zero (the row said 'loaded' with 0 activations while 40 were held)."""
         run_id, raw_rows = self.summary.run_id, []
+        none_loaded = sorted({landed.sha256 for landed, _, reason in batch.inputs if reason is None
+                              and any(not loaded[t].get(landed.sha256) for t in _DATA_TABLES)})
+        held: dict[str, dict[str, int]] = {t: {} for t in _DATA_TABLES}
+        if none_loaded and known:
+            for t in _DATA_TABLES:
+                held[t] = dict(warehouse.execute(
+                    conn, f"SELECT input_sha256, count(*) FROM {t} WHERE list_contains(?, input_sha256) GROUP BY 1",
+                    [none_loaded]).fetchall())
         for landed, fmt, reason in batch.inputs:
             raw_rows.append({
                 "input_sha256": landed.sha256, "origin": landed.input.origin, "format": fmt,
@@ -832,7 +845,7 @@ class _Run:
                 "captured_at": self.captured.get(landed.sha256),
                 "status": "rejected" if reason else "loaded", "reason": reason,
                 "landed_path": str(landed.path),
-                **{f"n_{t}": loaded[t].get(landed.sha256, 0) for t in _DATA_TABLES},
+                **{f"n_{t}": loaded[t].get(landed.sha256) or held[t].get(landed.sha256, 0) for t in _DATA_TABLES},
             })
         if raw_rows:
             # An input read again keeps its first origin, run and receipt time; what parsing

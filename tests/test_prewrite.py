@@ -228,6 +228,30 @@ def test_a_retime_decided_before_the_lock_is_decided_again_under_it(tmp_path):
     assert ("duplicate",) not in outcomes, outcomes
 
 
+def test_two_writers_of_one_file_at_once_record_what_is_held(tmp_path):
+    """Issue 41 item 4: two ingests of the same file at once. The first to commit loads its rows;
+    the second, deciding again under the lock, loads none of them (they are there) and recorded
+    its raw_inputs row as 'loaded' with 0 features and activations while they were held. Its
+    counts are what the tables hold of it."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)  # the lake exists
+    before = _ours(settings.warehouse)
+    page = _page("v1", datetime(2026, 1, 1), tmp_path / "in1")
+    first, second = _start(page, settings), _start(page, settings)
+    with _lock_once_running(settings, first):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 6, 120, first)  # both wrote theirs
+    for proc in (first, second):
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out + err
+    sha = hashlib.sha256(page.read_bytes()).hexdigest()
+    held = query(settings.warehouse, "SELECT (SELECT count(*) FROM features WHERE input_sha256 = $s), "
+                 "(SELECT count(*) FROM activations WHERE input_sha256 = $s), "
+                 "(SELECT count(*) FROM explanations WHERE input_sha256 = $s)", {"s": sha})
+    assert held == [(1, 3, 1)]
+    assert query(settings.warehouse, "SELECT status, n_features, n_activations, n_explanations FROM raw_inputs "
+                 "WHERE input_sha256 = ?", [sha]) == [("loaded", 1, 3, 1)]
+
+
 def test_the_decision_reads_one_snapshot_and_an_error_inside_leaves_no_transaction(tmp_path):
     """``one_snapshot`` (what prewrite decides in): every read inside sees the snapshot the first
     one saw, even after another writer commits; an error inside rolls it back, leaving the
