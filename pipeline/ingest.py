@@ -225,17 +225,19 @@ def _export_table(data: bytes) -> str | None:
     loads: DuckDB reads these as a stream, so a batch far larger than memory still loads."""
     if not data.startswith(b"\x1f\x8b"):
         return None
-    # Judged by its first line that is JSON: a first line that is an object's braces around
-    # something that is not JSON (a NaN, a cut) is a bad line of the batch, quarantined on
-    # DuckDB's road like any other, not a reason to refuse the file whole.
+    # Judged by its first line that is JSON: lines before it that are not (a first line cut
+    # short, an object written over several lines, braces around a NaN) are bad lines of the
+    # batch, quarantined on DuckDB's road like any other, not a reason to refuse the file whole
+    # (a cut first line lost its 49 good lines where a cut middle line cost one). A file with no
+    # JSON line among its first ones is no export batch: the Python road says what it is.
     for line in first_lines(data)[:_EXPORT_SNIFF_LINES]:
         line = line.strip()
+        if not line.startswith(b"{"):  # (a line inside an object over several lines may be JSON: "0.5")
+            continue
         try:
             orjson.loads(line)
         except orjson.JSONDecodeError:
-            if line.startswith(b"{") and line.endswith(b"}"):
-                continue
-            return None
+            continue
         return stage.export_table(line)
     return None
 

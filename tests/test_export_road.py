@@ -192,6 +192,31 @@ def test_a_cut_line_is_quarantined_and_the_rest_of_its_file_loads(tmp_path, cut,
     assert [r[1:] for r in rows] == [("loaded", "gzip+export_jsonl", 11), ("loaded", "gzip+export_jsonl", 12)]
 
 
+@pytest.mark.parametrize("damage", ["cut first line"])
+def test_a_bad_first_line_is_quarantined_like_any_other(tmp_path, damage, no_python_road_for_gzip):
+    """Issue 41 item 6: a cut *first* line refused the whole file (its good lines lost) where a
+    cut middle line cost one line. (An object written over several lines still refuses the file:
+    DuckDB's reader stops at its "{" line, ignore_errors or not; not handled yet.)"""
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a", batch_features=4)
+    key, lines = _activation_lines(objects)
+    first = lines[0]
+    if damage == "cut first line":
+        bad = [first[:len(first) // 2]]
+    else:
+        bad = json.dumps(orjson.loads(first), indent=2).encode().splitlines()
+    objects[key] = gzip.compress(b"\n".join(bad + lines[1:]) + b"\n")
+    _write_bucket(objects, tmp_path / "in", plain=False)
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_rejected == 0
+    assert summary.n_activations == len(lines) - 1
+    assert summary.n_quarantined == len(bad)
+    loaded = {i for (i,) in query(settings.warehouse, "SELECT activation_id FROM activations")}
+    assert orjson.loads(first)["id"] not in loaded and len(loaded) == len(lines) - 1
+
+
 def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_validated(tmp_path, no_python_road_for_gzip):
     from pipeline.config import Settings
 
