@@ -851,13 +851,19 @@ def _fetch_options(f):
                      help="First wait between attempts, in seconds; it doubles (with jitter) up to "
                           "a minute, and a Retry-After answer overrides it."),
         click.option("--no-progress", is_flag=True, help="Hide the progress bar."),
+        click.option("--strict", is_flag=True, help="Exit 4 when the run's verdict is FAIL (for cron and scripts)."),
+        click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+                     help="The run's summary for a person, or as one JSON object on stdout (the summary's "
+                          "fields, the fetch's counts and failures, verdict, verdict_reason)."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
 
 
-def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool) -> None:
+def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool, strict: bool = False,
+                       fmt: str = "table") -> None:
+    from .outputs.report import verdict
     from .sources.fetch import ingest_fetched
 
     click.echo(f"fetch window {window}", err=True)
@@ -890,9 +896,22 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
         click.echo(f"featurehouse: the ingest of what was fetched was terminated by SIGTERM; {notes}; run the same "
                    f"command with --window {window} to ingest it (nothing landed is fetched again)", err=True)
         sys.exit(128 + _TERMINATED[0])
+    r = result
+    judged = verdict(summary.as_dict() | {"n_fetch_failed": r.n_failed})
+    if fmt == "json":
+        _print_json(summary.as_dict() | {
+            "fetch": {"window": r.window, "n_requested": r.n_requested, "n_landed": r.n_landed,
+                      "n_already_landed": r.n_skipped_already_landed, "n_not_found": r.n_not_found,
+                      "n_failed": r.n_failed, "seconds": round(r.seconds, 3), "failures": r.failures},
+            "verdict": judged.level, "verdict_reason": judged.reason})
+        _refresh_find(settings)
+        if r.n_failed:
+            sys.exit(3)
+        if strict and judged.level == "FAIL":
+            sys.exit(EXIT_VERDICT_FAIL)
+        return
     print_summary(summary)
     _refresh_find(settings)
-    r = result
     click.echo(
         f"  fetch    window {r.window}: requested {r.n_requested}, landed {r.n_landed}, "
         f"already landed {r.n_skipped_already_landed}, not found {r.n_not_found}, "
@@ -906,9 +925,12 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
     if r.n_failed or r.n_not_found:
         click.echo("  fetch failures: featurehouse sql \"SELECT url, status, attempts, last_error "
                    f"FROM fetch_failures WHERE run_id = '{summary.run_id}'\"")
+    click.echo(f"  verdict  {judged.level}: {judged.reason}")
     if r.n_failed:
         click.echo(f"  re-run with --window {r.window} to retry only what did not land")
         sys.exit(3)
+    if strict and judged.level == "FAIL":
+        sys.exit(EXIT_VERDICT_FAIL)
 
 
 @cli.group("fetch")
@@ -926,14 +948,14 @@ def fetch_group() -> None:
 @click.option("--range", "span", default=None, metavar="A:B", help="Features A up to B (B excluded).")
 @click.option("--all", "all_features", is_flag=True,
               help="Every feature of the source that has activations (pages through features-offset).")
-@click.option("--base-url", default="https://www.neuronpedia.org", show_default=True,
-              help="Neuronpedia site (or a mirror, or a local fake).")
+@click.option("--base-url", default="https://www.neuronpedia.org", show_default=True, envvar="NEURONPEDIA_BASE_URL",
+              show_envvar=True, help="Neuronpedia site (or a mirror, or a local fake).")
 @click.option("--api-key", envvar="NEURONPEDIA_API_KEY", show_envvar=True, default=None,
               help="Sent only as the x-api-key header, never logged. Prefer the environment variable: "
                    "a command-line argument is visible to other users.")
 @_fetch_options
 def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, source, warehouse, window,
-                       concurrency, requests_per_hour, timeout, max_attempts, backoff, no_progress) -> None:
+                       concurrency, requests_per_hour, timeout, max_attempts, backoff, no_progress, strict, fmt) -> None:
     """Fetch features through GET /api/feature/{model}/{source}/{index} and ingest them."""
     from .ingest import new_run_id
     from .sources.fetch import fetch_features
@@ -949,7 +971,7 @@ def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, so
         api_key=api_key or None, concurrency=concurrency or 4, requests_per_hour=requests_per_hour,
         window=window, timeout=timeout or 30.0, max_attempts=max_attempts, backoff=backoff,
         progress=False if no_progress else None,
-    ), no_progress)
+    ), no_progress, strict, fmt)
 
 
 @fetch_group.command("exports")
@@ -959,10 +981,10 @@ def fetch_features_cmd(indices, span, all_features, base_url, api_key, model, so
                    "(batch 0: 0, 1, 10, 100, ...), activations batch N holds features N*1024 to "
                    "N*1024+1023, so the same numbers cover different features. Default: every batch.")
 @click.option("--exports-url", default="https://neuronpedia-datasets.s3.amazonaws.com", show_default=True,
-              help="The public bulk-export bucket (anonymous HTTPS; no API key is sent to it).")
+              envvar="NEURONPEDIA_EXPORTS_URL", show_envvar=True, help="The public bulk-export bucket (anonymous HTTPS; no API key is sent to it).")
 @_fetch_options
 def fetch_exports_cmd(span, exports_url, model, source, warehouse, window, concurrency, requests_per_hour,
-                      timeout, max_attempts, backoff, no_progress) -> None:
+                      timeout, max_attempts, backoff, no_progress, strict, fmt) -> None:
     """Fetch a source's bulk exports (S3 bucket, v1/{model}/{source}/) and ingest them."""
     from .ingest import new_run_id
     from .sources.fetch import fetch_exports
@@ -974,7 +996,7 @@ def fetch_exports_cmd(span, exports_url, model, source, warehouse, window, concu
         model, source, batches=batches, settings=settings, exports_url=exports_url, window=window,
         timeout=timeout or 60.0, max_attempts=max_attempts, concurrency=concurrency or 2,
         requests_per_hour=requests_per_hour, backoff=backoff, progress=False if no_progress else None,
-    ), no_progress)
+    ), no_progress, strict, fmt)
 
 
 def _set_verbose(ctx: click.Context, param: click.Parameter, value: bool) -> None:

@@ -245,3 +245,24 @@ def test_ctrl_c_during_a_long_retry_after_stops_promptly_and_says_how_to_resume(
     assert proc.returncode == 130, stdout + stderr
     assert "--window w-int" in stderr
     assert read_manifest(manifest_path("w-int", settings)) == {}  # nothing recorded as failed
+
+
+def test_fetch_reads_the_base_url_from_the_environment_and_gives_a_verdict_and_json(tmp_path):
+    """Issue 45: `fetch features` printed no verdict line, had no --format json or --strict, and
+    ignored NEURONPEDIA_BASE_URL (the DAGs read it)."""
+    settings = settings_in(tmp_path)
+    lost = feature_path(3)
+    with FakeNeuronpedia(pages=pages(4), always={lost: "503"}) as np:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), NEURONPEDIA_BASE_URL=np.base_url)
+        args = [sys.executable, "-m", "pipeline.cli", "fetch", "features", "--model", MODEL, "--source", SOURCE,
+                "--range", "0:4", "--warehouse", str(settings.warehouse), "--no-progress", "--max-attempts", "2",
+                "--backoff", "0.01", "--requests-per-hour", "10000000"]
+        table = subprocess.run(args + ["--window", "w-env"], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=120)
+        assert table.returncode == 3, table.stdout + table.stderr
+        assert "  verdict  WARN: 1 of 4 URL(s) failed to fetch" in table.stdout
+        as_json = subprocess.run(args + ["--window", "w-env2", "--format", "json"], cwd=ROOT, env=env,
+                                 capture_output=True, text=True, timeout=120)
+    assert as_json.returncode == 3, as_json.stderr
+    out = json.loads(as_json.stdout)
+    assert out["verdict"] == "WARN" and out["fetch"]["n_failed"] == 1 and out["fetch"]["failures"][0]["url"].endswith("/3")
