@@ -423,6 +423,23 @@ def status_cmd(warehouse, limit, fmt, wide) -> None:
                    "{} rejected inputs".format(*totals))
 
 
+@cli.command("config")
+@warehouse_option
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def config_cmd(warehouse, fmt) -> None:
+    """Every setting in effect, and where it came from (the command line, an environment
+    variable, the default); the paths derived from them. Reads no warehouse.
+
+    Every environment variable featurehouse reads is in docs/cli.md#settings."""
+    settings = Settings.from_env(warehouse=warehouse)
+    rows = settings.described({"warehouse": warehouse})
+    if fmt == "json":
+        _print_json(rows)
+        return
+    _print_rows(["setting", "value", "from", "variables"], [tuple(r.values()) for r in rows], "table",
+                max_rows=100)
+
+
 @cli.command("report")
 @warehouse_option
 @click.option("--run", "run_id", default=None, callback=lambda ctx, param, value: _run_id(value, "--run"),

@@ -174,6 +174,22 @@ class Settings:
     def uses_s3(self) -> bool:
         return any(u.startswith("s3://") for u in (self.data_url, self.landing_url))
 
+    def described(self, overrides: dict[str, object] | None = None) -> list[dict[str, str]]:
+        """Every setting in effect and where it came from (``featurehouse config``): a command
+        line option (``overrides``), the environment variable that set it, or the default; the
+        paths derived from them after."""
+        given = {k for k, v in (overrides or {}).items() if v is not None}
+        rows = []
+        for f in fields(self):
+            names = _ENV.get(f.name, ())
+            set_by = next((n for n in names if _env_str(n)), None)
+            source = ("command line" if f.name in given else f"${set_by}" if set_by else "default")
+            rows.append({"setting": f.name, "value": "" if getattr(self, f.name) is None else str(getattr(self, f.name)),
+                         "from": source, "variables": ", ".join(f"${n}" for n in names)})
+        for name in ("catalog_url", "data_url", "landing_url", "report_dir", "find_index_dir", "gx_dir"):
+            rows.append({"setting": name, "value": str(getattr(self, name)), "from": "derived", "variables": ""})
+        return rows
+
     @classmethod
     def from_env(cls, **overrides: object) -> Settings:
         """Resolve settings at call time: explicit overrides, then environment, then defaults."""
@@ -205,3 +221,18 @@ class Settings:
         if "warehouse" in clean:
             clean["warehouse"] = Path(clean["warehouse"])  # type: ignore[arg-type]
         return replace(base, **clean)  # type: ignore[arg-type]
+
+
+#: The environment variables each setting reads, first first (``Settings.from_env``).
+_ENV: dict[str, tuple[str, ...]] = {
+    "warehouse": ("FEATUREHOUSE_WAREHOUSE",), "catalog": ("FEATUREHOUSE_CATALOG",),
+    "data_path": ("FEATUREHOUSE_DATA_PATH",), "landing": ("FEATUREHOUSE_LANDING",),
+    "retention_days": ("FEATUREHOUSE_RETENTION_DAYS",), "max_input_bytes": ("FEATUREHOUSE_MAX_INPUT_BYTES",),
+    "max_decompressed_bytes": ("FEATUREHOUSE_MAX_DECOMPRESSED_BYTES",),
+    "batch_activations": ("FEATUREHOUSE_BATCH_ACTIVATIONS",), "batch_bytes": ("FEATUREHOUSE_BATCH_BYTES",),
+    "bytes_per_thread": ("FEATUREHOUSE_BYTES_PER_THREAD",), "input_digest_days": ("FEATUREHOUSE_INPUT_DIGEST_DAYS",),
+    "reports_dir": ("FEATUREHOUSE_REPORTS",), "commit_attempts": ("FEATUREHOUSE_COMMIT_ATTEMPTS",),
+    "lock_timeout": ("FEATUREHOUSE_LOCK_TIMEOUT",),
+    "s3_endpoint": ("FEATUREHOUSE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "s3_region": ("AWS_REGION", "AWS_DEFAULT_REGION"), "find_dir": ("FEATUREHOUSE_FIND_DIR",),
+}

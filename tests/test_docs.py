@@ -125,3 +125,32 @@ def test_the_tables_page_excerpt_query_gives_the_peak_in_the_middle(tmp_path):
                                            "WHERE feature_index = 45698"):
         want = tuple(tokens[max(peak - 5, 0):peak + 6])
         assert got[a] == want, (a, peak)
+
+
+def test_every_environment_variable_read_is_in_the_settings_table():
+    """Issue 45: FEATUREHOUSE_REPORTS and FEATUREHOUSE_SCHEMAS were read and documented nowhere."""
+    import subprocess
+
+    used = set(subprocess.run(
+        ["grep", "-rhoE", r"(FEATUREHOUSE|NEURONPEDIA)_[A-Z0-9_]*[A-Z0-9]", "pipeline", "dags", "deploy",
+         "docker-compose.yml", "featurehouse.toml"], cwd=ROOT, capture_output=True, text=True).stdout.split())
+    used -= {"FEATUREHOUSE_MAX"}  # the prefix every size-limit refusal names
+    table = (ROOT / "docs" / "cli.md").read_text().split("## Settings", 1)[1]
+    missing = sorted(v for v in used if f"`{v}`" not in table)
+    assert not missing, missing
+
+
+def test_config_says_where_each_setting_came_from(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    exe = Path(sys.executable).with_name("featurehouse")
+    env = dict(os.environ, FEATUREHOUSE_BATCH_BYTES="1000000")
+    out = subprocess.run([str(exe), "config", "--warehouse", str(tmp_path / "w"), "--format", "json"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    rows = {r["setting"]: r for r in json.loads(out)}
+    assert (rows["batch_bytes"]["value"], rows["batch_bytes"]["from"]) == ("1000000", "$FEATUREHOUSE_BATCH_BYTES")
+    assert rows["warehouse"]["from"] == "command line" and rows["retention_days"]["from"] == "default"
+    assert rows["catalog_url"]["value"] == f"sqlite:{tmp_path / 'w' / 'catalog.sqlite'}"
