@@ -178,3 +178,22 @@ def test_stats_refreshed_in_feature_chunks_equal_one_pass(tmp_path, monkeypatch)
     with connect(chunked) as conn:
         assert refresh(conn, chunked).n_features == 7
     assert query(chunked, stats) == query(one, stats)
+
+
+def test_a_refresh_that_changes_nothing_commits_nothing(tmp_path):
+    """Issue 45: `materialise` on an unchanged warehouse committed identical rows as a new
+    snapshot, and every find command then said the index was stale."""
+    settings, _ = _load(tmp_path)
+    with connect(settings) as conn:
+        def snapshots() -> int:
+            return conn.execute("SELECT count(*) FROM featurehouse.snapshots()").fetchone()[0]
+
+        n = snapshots()
+        r = refresh(conn, settings)
+        assert (r.n_features, r.n_sources, r.feature_stats_rows) == (2, 1, 6) and r.source_stats_rows > 0
+        assert snapshots() == n, "a refresh that changed nothing made a snapshot"
+        conn.execute("UPDATE feature_activation_stats SET max_activation = -1 WHERE feature_index = 7")
+        n = snapshots()
+        refresh(conn, settings)
+        assert snapshots() == n + 1
+        assert conn.execute("SELECT min(max_activation) FROM feature_activation_stats").fetchone()[0] > 0

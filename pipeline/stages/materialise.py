@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import duckdb
 
 from ..config import SCHEMAS_DIR, Settings
-from ..lake.warehouse import CATALOG, transaction
+from ..lake.warehouse import CATALOG, one_snapshot, transaction
 
 __all__ = ["EXCERPT", "MaterialiseResult", "compute_changed", "excerpt_columns", "excerpt_from", "forget_computed",
            "refresh", "refresh_changed", "refresh_run"]
@@ -39,7 +39,7 @@ def refresh(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str | N
     materialise is mended by running this again, and a later run that reloaded some of them
     does not hide them.
     """
-    def body(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
+    def changed(conn: duckdb.DuckDBPyConnection) -> None:
         if run_id is None:
             conn.execute(
                 """CREATE OR REPLACE TEMP TABLE changed_features AS
@@ -50,10 +50,48 @@ def refresh(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str | N
         else:
             conn.execute(f"CREATE OR REPLACE TEMP TABLE changed_features AS {_run_features(conn, run_id)}",
                          {"run_id": run_id})
+
+    def body(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult:
+        changed(conn)
         return refresh_changed(conn)
 
+    # First, reading only: are the statistics as they would be computed? Then nothing is
+    # committed (a new snapshot of identical rows made every find index say it was stale).
+    with one_snapshot(conn):
+        changed(conn)
+        same = _as_computed(conn)
+    if same is not None:
+        return same
     return transaction(conn, settings, body, message=f"materialise {run_id or 'all'}",
                        extra={"run_id": run_id} if run_id else {})
+
+
+def _as_computed(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult | None:
+    """What a refresh of ``changed_features`` would report, when the statistics tables hold
+    exactly what it would write (``refreshed_at`` aside); None when anything differs."""
+    try:
+        r_f = compute_changed(conn)  # into temp new_* tables
+        conn.execute("CREATE OR REPLACE TEMP TABLE changed_sources AS "
+                     "SELECT DISTINCT model_id, source_id FROM changed_features")
+        # (from the feature statistics held: when they differ from the new ones, this is not looked at)
+        conn.execute(f"CREATE OR REPLACE TEMP TABLE new_source_activation_stats AS {_sql('source_activation_stats')}")
+        scopes = {"feature_activation_stats": ("changed_features", _KEY),
+                  "feature_token_stats": ("changed_features", _KEY),
+                  "source_activation_stats": ("changed_sources", "model_id, source_id")}
+        for table, (scope, key) in scopes.items():
+            held = f"SELECT * EXCLUDE (refreshed_at) FROM {table} SEMI JOIN {scope} USING ({key})"
+            new = f"SELECT * EXCLUDE (refreshed_at) FROM new_{table}"
+            (n,) = conn.execute(f"SELECT count(*) FROM (({new} EXCEPT ALL {held}) UNION ALL "
+                                f"({held} EXCEPT ALL {new}))").fetchone()
+            if n:
+                return None
+        (n_f,) = conn.execute(f"SELECT count(*) FROM (SELECT DISTINCT {_KEY} FROM changed_features)").fetchone()
+        (n_s, r_s) = conn.execute("SELECT count(DISTINCT (model_id, source_id)), count(*) "
+                                  "FROM new_source_activation_stats").fetchone()
+        return MaterialiseResult(n_f, n_s, r_f, r_s)
+    finally:
+        forget_computed(conn)
+        conn.execute("DROP TABLE IF EXISTS temp.main.new_source_activation_stats")
 
 
 def _run_features(conn: duckdb.DuckDBPyConnection, run_id: str) -> str:
