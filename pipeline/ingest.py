@@ -1050,7 +1050,8 @@ def ingest(
     settings = settings or Settings.from_env()
     todo, total = _expand(inputs)
     run_id = check_run_id(run_id or new_run_id())  # it names the report: refuse "../x" before writing
-    summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse), part=part)
+    summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse), part=part,
+                         started_at=utcnow() if part is None else None)  # a part's run began with its first part
     started = time.monotonic()
     conn = warehouse.connect(settings, create=True)
     run_started: _Run | None = None

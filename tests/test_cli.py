@@ -335,3 +335,12 @@ def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
         assert table and max(len(ln) for ln in table) <= 100, table
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+
+
+def test_ingest_and_status_give_one_duration(tmp_path):
+    """Issue 45: the same run was "26.2s" in ingest's summary and 20.4 in status (status counted
+    from after the warehouse was opened)."""
+    wh = tmp_path / "wh"
+    out = json.loads(fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress", "--format", "json").stdout)
+    (row,) = json.loads(fh("status", "--warehouse", str(wh), "--format", "json").stdout)
+    assert abs(row["seconds"] - out["seconds"]) < 0.25, (row["seconds"], out["seconds"])

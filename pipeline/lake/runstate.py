@@ -171,6 +171,10 @@ class RunSummary:
     n_expectations: int = 0
     n_expectations_failed: int = 0
     seconds: float = 0.0
+    """From the command's start to the run's end (before its report): ``runs``' started_at and
+    finished_at span the same, so ``status`` and the ingest's summary give one duration."""
+    started_at: datetime | None = field(default=None, repr=False)
+    """When the ingest began (naive UTC), before it opened the warehouse: ``runs.started_at``."""
     commits: int = 0
     commit_retries: int = 0
     lock_wait_seconds: float = 0.0
@@ -211,6 +215,7 @@ class RunSummary:
         d = asdict(self)
         d.pop("stats")
         d.pop("written")
+        d.pop("started_at")
         d["rejected"] = d["rejected"][:50]
         d["stage_seconds"] = {k: round(v, 3) for k, v in self.stage_seconds.items()}
         return d
@@ -259,11 +264,11 @@ def start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunS
             st.commits, st.retries, st.lock_wait_seconds, st.commit_seconds = (v or 0 for v in stored[len(COUNTERS):])
             warehouse.execute(conn, "UPDATE runs SET status = 'running', started_at = $at, finished_at = NULL, error = NULL, "
                          "host = $host, pid = $pid WHERE run_id = $run_id",
-                         {"at": utcnow(), "run_id": summary.run_id} | owner)
+                         {"at": summary.started_at or utcnow(), "run_id": summary.run_id} | owner)
         else:
             warehouse.execute(conn, "INSERT INTO runs (run_id, started_at, status, trigger, host, pid) "
                          "VALUES ($run_id, $at, 'running', $trigger, $host, $pid)",
-                         {"run_id": summary.run_id, "at": utcnow(), "trigger": trigger} | owner)
+                         {"run_id": summary.run_id, "at": summary.started_at or utcnow(), "trigger": trigger} | owner)
 
     if summary.part is not None:
         # A part of a run whose row is there, not failed by this part: nothing to write, so no
