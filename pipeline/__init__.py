@@ -26,6 +26,11 @@ from typing import TYPE_CHECKING, Any
 # where DuckDB's worker threads share the one arena: set the variable to tune it there.
 os.environ.setdefault("DUCKDB_JE_MALLOC_CONF", "narenas:1")
 
+# `featurehouse ingest|fetch`: SIGTERM and SIGINT are noted from here on (see signals.note_early)
+from .signals import note_early  # noqa: E402
+
+note_early(sys.argv)
+
 if TYPE_CHECKING:  # pragma: no cover
     from .config import Settings
     from .ingest import RunSummary, ingest

@@ -16,21 +16,17 @@ import sys
 import threading
 from pathlib import Path
 
-# An ingest notes a SIGTERM from the moment this module loads (its imports, then the stages',
-# take a second or more): the default action ended the process with no word and no run row.
-_EARLY_SIGTERM: list[int] = []
-if "ingest" in sys.argv[1:3] and threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGTERM, lambda signum, frame: _EARLY_SIGTERM.append(signum))
+import click
+import duckdb
+import orjson
 
-import click  # noqa: E402
-import duckdb  # noqa: E402
-import orjson  # noqa: E402
-
-from .config import Settings  # noqa: E402
-from .lake import warehouse as warehouse_mod  # noqa: E402
-from .lake.landing import LandingFailed, disk_full  # noqa: E402
-from .names import BadRunId, check_run_id  # noqa: E402
-from .signals import importing  # noqa: E402
+from .config import Settings
+from .lake import warehouse as warehouse_mod
+from .lake.landing import LandingFailed, disk_full
+from .names import BadRunId, check_run_id
+from .signals import EARLY as _EARLY_SIGNALS
+from .signals import LOADING_COMMANDS as _LOADING_COMMANDS
+from .signals import importing
 
 # The ingest stages (Great Expectations, pandas) are imported by the commands that use them,
 # so that the commands that only read (`search`, `similar`, `by-token`, `show`) start quickly.
@@ -168,11 +164,13 @@ def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40
 def cli(ctx: click.Context, verbose: bool) -> None:
     """featurehouse: Neuronpedia feature pages into a warehouse (DuckLake) you can query with DuckDB."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if ctx.invoked_subcommand == "ingest":
-        if _EARLY_SIGTERM:
-            click.echo("featurehouse: ingest terminated by SIGTERM before it started: nothing was loaded", err=True)
-            sys.exit(128 + _EARLY_SIGTERM[0])
-        signal.signal(signal.SIGTERM, _terminated)  # from here on, as the command's own handler
+    if ctx.invoked_subcommand in _LOADING_COMMANDS and threading.current_thread() is threading.main_thread():
+        if _EARLY_SIGNALS:
+            click.echo(f"featurehouse: {ctx.invoked_subcommand} {_stopped_by(_EARLY_SIGNALS[0])} before it started: "
+                       "nothing was loaded", err=True)
+            sys.exit(128 + _EARLY_SIGNALS[0])
+        for sig in (signal.SIGTERM, signal.SIGINT):  # from here on, the command's own handler
+            signal.signal(sig, _terminated)
 
 
 def print_summary(s) -> None:
@@ -230,6 +228,40 @@ class Terminated(SystemExit):
 _TERMINATED: list[int] = []
 
 
+def _stopped_by(signum: int) -> str:
+    return "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
+
+
+def _recorded(settings: Settings, run_id: str | None) -> str:
+    """How the run stopped by a signal is recorded, read from the warehouse: said only what is
+    known (the signal may have come before the run was recorded, or after it succeeded)."""
+    if run_id is None:
+        return "`featurehouse status` says how its run is recorded"
+    try:
+        with warehouse_mod.connect(settings, read_only=True) as conn:
+            row = conn.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    except Exception:  # no warehouse yet, or it cannot be read now
+        row = None
+        if not (settings.warehouse / "catalog.sqlite").exists() and settings.catalog_kind == "sqlite":
+            return "no run was recorded: nothing was loaded"
+        return f"`featurehouse status` says how run {run_id} is recorded"
+    if row is None:
+        return "no run was recorded: nothing was loaded"
+    if row[0] == "succeeded":
+        return f"run {run_id} is recorded as succeeded (its data is loaded)"
+    return f"run {run_id} is recorded as {row[0]}"
+
+
+def _teardown_signals() -> None:
+    """After the command: a signal during the interpreter's teardown ends the process at once,
+    with its exit code, instead of raising inside an exit handler (exit 0, a traceback)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) is _terminated:
+            signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+
 def _terminated(signum, frame) -> None:
     if importing(frame):
         # Raised inside an import it could leave the interpreter's import lock (or the module's)
@@ -266,14 +298,15 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
       2  a usage error (a path that does not exist, a bad --run-id)
       4  --strict and the run's verdict is FAIL
     """
-    from .ingest import ingest
+    # A SIGTERM (a timeout, Airflow stopping a task, `kill`) or Ctrl-C ends the run as failed,
+    # recorded, instead of leaving it `running` until a later run finds its process gone (the
+    # handlers are the group's, see `cli`).
+    from .ingest import ingest, new_run_id
     from .outputs.report import verdict
     from .stages.receive import InputNotFound
 
-    # A SIGTERM (a timeout, Airflow stopping a task, `kill`) ends the run as failed, recorded,
-    # instead of leaving it `running` until a later run finds its process gone.
-    signal.signal(signal.SIGTERM, _terminated)
     settings = Settings.from_env(warehouse=warehouse)
+    run_id = run_id or new_run_id()  # known here: what the warehouse recorded of it can be said
     try:
         summary = ingest(paths, settings, run_id=run_id, reprocess=reprocess,
                          progress=False if no_progress else None)
@@ -293,12 +326,11 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
                                        f"stopped\n{_with_notes(exc, first=False)}") from None
         raise
     except BaseException as exc:
-        stopped = "terminated by SIGTERM" if _TERMINATED else "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else None
-        if stopped:  # ingest has recorded the run (as failed, unless only its report was left)
-            notes = "; ".join(getattr(exc, "__notes__", ())) or (
-                "it stopped before its run was recorded: nothing was loaded")
-            click.echo(f"featurehouse: ingest {stopped}; {notes}", err=True)
-            sys.exit(128 + _TERMINATED[0] if _TERMINATED else 130)
+        signum = _TERMINATED[0] if _TERMINATED else signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
+        if signum is not None:  # ingest has recorded the run (as failed, unless only its report was left)
+            notes = "; ".join(getattr(exc, "__notes__", ())) or _recorded(settings, run_id)
+            click.echo(f"featurehouse: ingest {_stopped_by(signum)}; {notes}", err=True)
+            sys.exit(128 + signum)
         raise
     # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs
     judged = verdict(summary.as_dict())
@@ -310,9 +342,11 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     try:
         _refresh_find(settings)
     except (Terminated, KeyboardInterrupt):
-        click.echo(f"featurehouse: stopped while refreshing the find index; run {summary.run_id} is recorded as "
-                   "succeeded (its data is loaded): `featurehouse index` brings the index up to date", err=True)
-        sys.exit(128 + _TERMINATED[0] if _TERMINATED else 130)
+        signum = _TERMINATED[0] if _TERMINATED else signal.SIGINT
+        click.echo(f"featurehouse: {_stopped_by(signum)} while refreshing the find index; run {summary.run_id} is "
+                   "recorded as succeeded (its data is loaded): `featurehouse index` brings the index up to date",
+                   err=True)
+        sys.exit(128 + signum)
     if strict and judged.level == "FAIL":
         sys.exit(EXIT_VERDICT_FAIL)
 
@@ -884,35 +918,41 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
     from .sources.fetch import ingest_fetched
 
     click.echo(f"fetch window {window}", err=True)
+    # A SIGTERM (a timeout, `kill`, Airflow stopping the task) stops the fetch as Ctrl-C does:
+    # the downloads under way are given up and their partial files removed, the rest kept (the
+    # handlers are the group's, see `cli`).
+    from .ingest import new_run_id
     from .sources.api import BadApiKey
     from .sources.exports import remove_spooled
 
-    # A SIGTERM (a timeout, `kill`, Airflow stopping the task) stops the fetch as Ctrl-C does:
-    # the downloads under way are given up and their partial files removed, the rest kept.
-    signal.signal(signal.SIGTERM, _terminated)
     try:
         result = fetch()
     except BadApiKey as exc:
         raise click.ClickException(str(exc)) from None
-    except (KeyboardInterrupt, Terminated) as exc:
+    except (KeyboardInterrupt, Terminated):
         removed = remove_spooled()
-        how = "terminated by SIGTERM" if isinstance(exc, Terminated) else "interrupted"
-        click.echo(f"\nfetch {how}: what landed is kept" + (f", {removed} partial download(s) removed" if removed else "")
+        signum = _TERMINATED[0] if _TERMINATED else signal.SIGINT
+        click.echo(f"\nfetch {_stopped_by(signum)}: what landed is kept"
+                   + (f", {removed} partial download(s) removed" if removed else "")
                    + f"; run the same command with --window {window} to fetch only the rest", err=True)
         # now, not at the interpreter's exit, which would join the download threads: one blocked
         # reading a slow body would hold a stopped process for as long as the body takes
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(128 + _TERMINATED[0] if isinstance(exc, Terminated) else 130)
+        os._exit(128 + signum)
+    run_id = new_run_id()
     try:
-        summary = ingest_fetched(window, settings, trigger="fetch", progress=False if no_progress else None)
-    except BaseException:
-        if not _TERMINATED:
+        summary = ingest_fetched(window, settings, run_id=run_id, trigger="fetch",
+                                 progress=False if no_progress else None)
+    except BaseException as exc:
+        signum = _TERMINATED[0] if _TERMINATED else signal.SIGINT if isinstance(exc, KeyboardInterrupt) else None
+        if signum is None:
             raise
-        notes = "; ".join(getattr(sys.exc_info()[1], "__notes__", ())) or "the run is recorded as failed"
-        click.echo(f"featurehouse: the ingest of what was fetched was terminated by SIGTERM; {notes}; run the same "
-                   f"command with --window {window} to ingest it (nothing landed is fetched again)", err=True)
-        sys.exit(128 + _TERMINATED[0])
+        notes = "; ".join(getattr(exc, "__notes__", ())) or _recorded(settings, run_id)
+        click.echo(f"featurehouse: the ingest of what was fetched was {_stopped_by(signum)}; "
+                   f"{notes}; run the same command with --window {window} to ingest what is not loaded (nothing "
+                   "landed is fetched again)", err=True)
+        sys.exit(128 + signum)
     r = result
     judged = verdict(summary.as_dict() | {"n_fetch_failed": r.n_failed})
     if fmt == "json":
@@ -1038,6 +1078,7 @@ def main() -> None:
     try:
         cli(prog_name="featurehouse")
     finally:
+        _teardown_signals()
         # The command is done and has closed what it opened; what is left is the interpreter's
         # teardown, whose garbage collections walk every object of the libraries loaded (pandas,
         # pyarrow, Great Expectations): 0.20 s of a 1.4 s unchanged re-run, measured (0.05 s

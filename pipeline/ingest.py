@@ -662,7 +662,10 @@ class _Run:
         except Exception:
             if not failed:
                 raise
-            log.exception("the batch loading when the run failed did not load")
+            if getattr(self, "signals", None):  # stopped by a signal: said once, by the caller
+                log.info("the batch loading when the run was stopped did not load", exc_info=True)
+            else:
+                log.exception("the batch loading when the run failed did not load")
         finally:
             self._load_pool.shutdown(wait=True)
             self.wait_stored()
@@ -1060,7 +1063,8 @@ def ingest(
             try:  # housekeeping the next run redoes: it never stops this one
                 runstate.mark_abandoned(conn, settings, by=run_id)
             except Exception:
-                log.exception("could not mark the abandoned runs of this host")
+                if not came:  # (a signal, inside DuckDB "Query interrupted", stops the run just below)
+                    log.exception("could not mark the abandoned runs of this host")
             _stop_if_signalled(came)
             runstate.start_run(conn, settings, summary, trigger)
             run = _Run(conn, settings, summary, reprocess, materialise_after, source_stats, report_after)
@@ -1100,7 +1104,9 @@ def ingest(
                 log.error("could not record that run %s failed", run_id, exc_info=not disk_full(record_exc))
                 exc.add_note(f"run {run_id} could not be recorded as failed ({str(record_exc).splitlines()[0]}); "
                              "the next ingest on this host records it as abandoned")
-            if report_after and isinstance(exc, Exception) and not disk_full(exc):  # none can be written then
+            # none can be written on a full disk; nor is one wanted by a signal that stopped the
+            # run (inside a DuckDB statement it arrives as an Exception, "Query interrupted")
+            if report_after and isinstance(exc, Exception) and not disk_full(exc) and not came:
                 write_run_report(conn, summary, settings)
             conn.close()
             raise

@@ -1,9 +1,29 @@
-"""Where a signal handler found the main thread."""
+"""Where a signal handler found the main thread; the signals a loading command got before its
+own handlers were in place."""
 
 from __future__ import annotations
 
 import _imp
+import os
+import signal
+import threading
 from typing import Any
+
+#: SIGTERM and SIGINT that came to a loading command (``featurehouse ingest|fetch``) before its
+#: handlers were installed (``note_early``): the command says so and exits, nothing loaded.
+EARLY: list[int] = []
+LOADING_COMMANDS = ("ingest", "fetch")
+
+
+def note_early(argv: list[str]) -> None:
+    """From the package's first import in a ``featurehouse ingest|fetch`` process: note SIGTERM
+    and SIGINT instead of dying in silence (rc -15) or raising KeyboardInterrupt inside the
+    imports that follow (which left the import lock held: the run then hung for good). The CLI
+    replaces these handlers with its own, then says what came."""
+    if (os.path.basename(argv[0] if argv else "") == "featurehouse" and set(argv[1:3]) & set(LOADING_COMMANDS)
+            and threading.current_thread() is threading.main_thread()):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: EARLY.append(signum))
 
 
 def importing(frame: Any) -> bool:
