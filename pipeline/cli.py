@@ -125,14 +125,16 @@ def _unique_names(cols: list[str]) -> list[str]:
     """Column names made unique as DuckDB makes a subquery's (``a, a, a_1`` -> ``a, a_1, a_1_1``):
     a JSON object, or a row turned into one, keeps every column (``SELECT 1 AS a, 2 AS a``, a
     join's two ``extra`` columns)."""
-    seen: set[str] = set()
+    seen: set[str] = set()  # lower case: DuckDB's names are case-insensitive (a, A -> a, A_1)
+    tried: dict[str, int] = {}  # the last suffix tried for a name: linear in the columns, not quadratic
     out = []
     for name in cols:
-        unique, k = name, 0
-        while unique in seen:
+        unique, k = name, tried.get(name.lower(), 0)
+        while unique.lower() in seen:
             k += 1
             unique = f"{name}_{k}"
-        seen.add(unique)
+        tried[name.lower()] = k
+        seen.add(unique.lower())
         out.append(unique)
     return out
 

@@ -151,3 +151,31 @@ def test_a_report_that_cannot_be_written_is_one_line_not_a_traceback(source_run,
     p = fh("report", "--warehouse", str(wh), "--out", str(blocker / "reports"))
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.startswith("Error: the report could not be written to ") and len(p.stderr.splitlines()) == 1
+
+
+def test_the_grid_chart_is_drawn_once_and_read_back_after(source_run):
+    """Found from outside: the Chat vs Non-Chat grid's cells came in no order, so every report
+    drew it again and added a 233 KB file to the chart cache (which keeps 64)."""
+    wh, _, _ = source_run
+    cache = wh / "reports" / ".charts"
+    assert fh("report", "--warehouse", str(wh)).returncode == 0
+    before = sorted(p.name for p in cache.glob("*.svg"))
+    assert fh("report", "--warehouse", str(wh)).returncode == 0
+    assert sorted(p.name for p in cache.glob("*.svg")) == before
+
+
+def test_a_renderer_killed_by_a_signal_without_a_name_is_said(tmp_path):
+    """Found from outside: a real-time signal (kill -40) made the reason itself fail
+    ("40 is not a valid Signals")."""
+    import signal
+
+    from pipeline.outputs import draw
+
+    drawer = draw._Drawer()
+    proc = drawer._spawn()
+    try:
+        os.kill(proc.pid, signal.SIGRTMIN + 6)
+        why = drawer._why_stopped(proc)
+    finally:
+        drawer._stop()
+    assert why.startswith("the chart renderer stopped (signal ") and str(int(signal.SIGRTMIN) + 6) in why

@@ -6,6 +6,7 @@ Run as a script (``python -I _draw_child.py``): it imports nothing of featurehou
 """
 
 import json
+import resource
 import signal
 import struct
 import sys
@@ -13,6 +14,9 @@ import sys
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the drawing stops
+    # no core file when the engine aborts (under `ulimit -c unlimited` and an address-space
+    # limit: 25 MB in the working folder at every report)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     import vl_convert as vlc
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer

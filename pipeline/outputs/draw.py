@@ -83,7 +83,10 @@ class _Drawer:
             self.err.seek(0)
             lines = [ln.strip() for ln in self.err.read()[-4096:].decode("utf-8", "replace").splitlines() if ln.strip()]
             said = next((ln for ln in lines if "Fatal" in ln or "Error" in ln), lines[-1] if lines else "")
-        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+        try:
+            how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit {rc}"
+        except ValueError:  # a real-time signal has no name
+            how = f"signal {-rc}"
         hint = ""
         if "CagedHeap" in said or "out of memory" in said.lower() or rc == -signal.SIGTRAP:
             hint = " (its JavaScript engine needs more address space than the limit allows: `ulimit -v`)"
