@@ -754,8 +754,10 @@ _INT64 = 2**63
 _INT32 = 2**31
 
 
-#: An integer written as text: ASCII digits only, as DuckDB's cast reads them (``str.isdigit``
-#: also takes "²", which ``int()`` then refuses, and Arabic-Indic digits, which it reads).
+#: An integer written as text: ASCII digits only (``str.isdigit`` also takes "²", which ``int()``
+#: then refuses, and Arabic-Indic digits, which it reads; DuckDB's cast refuses both). DuckDB's
+#: cast is laxer still ("+12", " 12", "1_2", "0x1", "12.5" read as numbers): an activation's
+#: ``index`` written so is quarantined on both roads, with one check more on this one.
 _DIGITS = re.compile(r"-?[0-9]+")
 
 
