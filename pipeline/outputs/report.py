@@ -606,8 +606,8 @@ def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None
                                 header=alt.Header(labelFontWeight="bold", labelAnchor="start", labelFontSize=11.5,
                                                   labelLimit=250 if n_ds > 2 else 320, titleFontSize=11.5,
                                                   titleAnchor="start", titleFontWeight="normal")),
-                columns=n_ds, spacing={"row": 14, "column": 22},
-            )
+                columns=min(n_ds, 3), spacing={"row": 14, "column": 22},
+            ).resolve_scale(x="independent", y="independent")  # each source's own range: a small one is not flattened
         ))
         charts["hidden_sources"] = ctx["hidden_sources"]
     h = ctx["hist_frac_nonzero"]
@@ -623,7 +623,7 @@ def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None
                 facet=alt.Facet("source:N", title=None, header=alt.Header(labelFontWeight="bold", labelAnchor="start",
                                                                            labelFontSize=11.5)),
                 columns=1, spacing=14,
-            )
+            ).resolve_scale(x="independent", y="independent")
         ))
         charts["n_frac_zero"] = ctx["n_frac_zero"]
     cp = ctx["chat_pairs"]
@@ -657,7 +657,7 @@ def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None
             alt.Chart(df).mark_bar(height={"band": 0.75}).encode(
                 y=alt.Y("label:N", sort=alt.EncodingSortField("rank"), title=None,
                         axis=alt.Axis(labelLimit=330, labelFontSize=11)),
-                x=alt.X("max_activation:Q", title="max activation"),
+                x=alt.X("max_activation:Q", title="max activation", axis=alt.Axis(tickCount=4, format="~s")),
                 color=alt.Color("data_source:N", title="strongest on", scale=_ds_scale(alt, df["data_source"].unique())),
             ).properties(width=380, height=alt.Step(18),
                          # the browser's font sets the labels wider than vl-convert measured them

@@ -438,7 +438,8 @@ def fetch_exports(
                      requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff)
     bucket = exports_url.rstrip("/")
     prefix = export_prefix(model, source)
-    if removed := remove_stale_spool(settings.landing_root):
+    # (a local landing area only: on S3 the spool is the system's temp folder, others' too)
+    if not s3.is_s3(settings.landing_root) and (removed := remove_stale_spool(settings.landing_root)):
         log.warning("removed %d partial download(s) a stopped fetch left in %s", removed,
                     scratch_dir(settings.landing_root))
     try:
