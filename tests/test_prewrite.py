@@ -136,6 +136,18 @@ def test_a_writer_killed_before_its_commit_leaves_no_rows_and_maintain_deletes_i
     assert query(settings.warehouse, "SELECT description FROM explanations") == [("v0",)]
 
 
+@contextlib.contextmanager
+def _v1_waiting_with_its_files(settings: Settings, tmp_path: Path):
+    """v0 loaded; another process's ingest of v1 has written its three files and waits for the
+    commit lock, which this process holds inside the block. Yields (that process, its files)."""
+    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
+    before = _ours(settings.warehouse)
+    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
+    with _lock_once_running(settings, proc):
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
+        yield proc, _ours(settings.warehouse) - before
+
+
 def test_maintain_keeps_the_files_of_a_writer_waiting_for_the_lock(tmp_path):
     """Issue 41 item 2: a writer with its files written, waiting for the commit lock, met
     `maintain --grace-minutes 0`, which deleted them as orphans; its commit then failed ("No
@@ -145,12 +157,7 @@ def test_maintain_keeps_the_files_of_a_writer_waiting_for_the_lock(tmp_path):
     from pipeline.lake.maintain import maintain
 
     settings = Settings(warehouse=tmp_path / "wh")
-    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
-    before = _ours(settings.warehouse)
-    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
-    with _lock_once_running(settings, proc):
-        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
-        pending = _ours(settings.warehouse) - before
+    with _v1_waiting_with_its_files(settings, tmp_path) as (proc, pending):
         maintain(settings, grace=timedelta(0))  # the lock is re-entrant in this process
         assert pending <= _ours(settings.warehouse), "maintain deleted a live writer's files"
     out, err = proc.communicate(timeout=300)
@@ -167,12 +174,7 @@ def test_a_commit_whose_files_vanished_writes_its_rows_under_the_lock(tmp_path):
     """The other half of item 2: whatever took the files (a hand, an older maintain), the
     commit writes the rows itself instead of failing with a traceback."""
     settings = Settings(warehouse=tmp_path / "wh")
-    run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
-    before = _ours(settings.warehouse)
-    proc = _start(_page("v1", datetime(2026, 1, 1), tmp_path / "in1"), settings)
-    with _lock_once_running(settings, proc):
-        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 3, 120, proc)
-        pending = _ours(settings.warehouse) - before
+    with _v1_waiting_with_its_files(settings, tmp_path) as (proc, pending):
         for p in (settings.warehouse / "data").rglob("featurehouse-*.parquet"):
             if p.name in pending:
                 p.unlink()
