@@ -167,12 +167,12 @@ def cli(ctx: click.Context, verbose: bool) -> None:
     """featurehouse: Neuronpedia feature pages into a warehouse (DuckLake) you can query with DuckDB."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if ctx.invoked_subcommand in _LOADING_COMMANDS and threading.current_thread() is threading.main_thread():
-        if _EARLY_SIGNALS:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # from here on, the command's own handler
+            signal.signal(sig, _terminated)
+        if _EARLY_SIGNALS:  # (looked at once the handlers are in place: none falls in between)
             click.echo(f"featurehouse: {ctx.invoked_subcommand} {_stopped_by(_EARLY_SIGNALS[0])} before it started: "
                        "nothing was loaded", err=True)
             sys.exit(128 + _EARLY_SIGNALS[0])
-        for sig in (signal.SIGTERM, signal.SIGINT):  # from here on, the command's own handler
-            signal.signal(sig, _terminated)
 
 
 def print_summary(s) -> None:
@@ -265,7 +265,10 @@ def _teardown_signals() -> None:
 
 
 def _terminated(signum, frame) -> None:
-    if importing(frame):
+    # (frame None: called by the run at a point where it may stop, outside any import of its
+    # own; another thread holding the import lock then, Great Expectations' import, is no reason
+    # to wait: deferred again and again, the signal was lost when the run ended first, exit 0)
+    if frame is not None and importing(frame):
         # Raised inside an import it could leave the interpreter's import lock (or the module's)
         # held for ever: every later import, and the run, hung (found from outside, SIGTERM half
         # a second in, while the warehouse was being opened). Sent again once the import is done.
