@@ -230,6 +230,7 @@ def test_memoised_configurations_change_no_result(tmp_path, monkeypatch):
 
     validate._gx()
     assert getattr(Expectation.__dict__["configuration"].fget, "_featurehouse_memo", False)
+    monkeypatch.setattr(validate, "JUDGE", "gx")  # the memo is Great Expectations' own judging
     pairs = []
     real = validate.validate_batch
 
@@ -274,3 +275,75 @@ def test_configuration_memo_is_skipped_when_great_expectations_differs(monkeypat
     monkeypatch.delattr(Expectation, "configuration")
     assert validate._memo_configurations() is False
     assert "configuration" not in Expectation.__dict__
+
+
+def test_duckdb_judges_as_great_expectations_does(tmp_path, monkeypatch):
+    """The suites judged in DuckDB (``sql_judge``, the default) and by Great Expectations on a
+    pandas frame (``JUDGE = "gx"``) decide the same for every batch: the seed, a crafted case
+    of every check, and good records; the same quarantine (records, checks, details) and the
+    same per-expectation results (counts, percentages, success, failing keys)."""
+    from pipeline.stages import validate
+
+    pairs = []
+    real = validate.validate_batch
+
+    def both(conn, staged):
+        monkeypatch.setattr(validate, "JUDGE", "gx")
+        by_gx = real(conn, staged)
+        monkeypatch.setattr(validate, "JUDGE", "duckdb")
+        by_duckdb = real(conn, staged)
+        pairs.append((by_gx, by_duckdb))
+        return by_duckdb
+
+    monkeypatch.setattr(validate, "validate_batch", both)
+    seed = sorted((Path(__file__).parent / "fixtures").iterdir())
+    crafted = [write(tmp_path / "in" / f"{name}.json", data) for name, (data, _) in CASES.items()]
+    crafted += [write(tmp_path / "in" / f"zz_good_{i}.json", data) for i, data in enumerate(GOOD)]
+    # what only DuckDB and pandas could disagree on: NaN beside null, infinities, a NaN maximum
+    crafted.append(write(tmp_path / "in" / "zz_nan.flight", _flight_page(
+        990, lambda p: (p["activations"][0].update(maxValue=math.nan, values=[math.nan, 1.0, 2.0, 0.0]),
+                        p["activations"][1].update(minValue=-math.inf, maxValue=math.inf),
+                        p.update(frac_nonzero=math.nan, maxActApprox=math.inf)))))
+    for n, paths in enumerate([seed, crafted]):
+        summary = run_ingest(paths, Settings(warehouse=tmp_path / f"wh{n}"))
+        assert summary.status == "succeeded", summary
+    assert len(pairs) >= 2
+    assert {q["check_name"] for _, d in pairs for q in d.quarantine} >= set(CASES)
+    for by_gx, by_duckdb in pairs:
+        # a record's checks, and the results, in suite order here, in Great Expectations' own there
+        order = {(t, e["meta"]["check_name"]): i for i, (t, e) in enumerate(
+            (f.stem, e) for f in SUITE_FILES for e in json.loads(f.read_text())["expectations"])}
+        assert sorted(by_duckdb.quarantine, key=lambda q: (q["table"], q["row"], order[q["table"], q["check_name"]])) \
+            == sorted(by_gx.quarantine, key=lambda q: (q["table"], q["row"], order[q["table"], q["check_name"]]))
+        # kwargs as JSON: Great Expectations writes a bound 0 as 0.0
+        by_check = lambda r: (r["suite"], r["expectation"])  # noqa: E731
+        assert sorted(({**r, "kwargs": json.loads(r["kwargs"])} for r in by_duckdb.results), key=by_check) == \
+               sorted(({**r, "kwargs": json.loads(r["kwargs"])} for r in by_gx.results), key=by_check)
+        assert by_duckdb.gx_results.keys() == by_gx.gx_results.keys()
+        for table, record in by_duckdb.gx_results.items():
+            ge = by_gx.gx_results[table]
+            assert sorted((r["meta"]["check_name"], r["success"]) for r in record["featurehouse_record"]) == \
+                sorted((r.expectation_config.meta["check_name"], r.success) for r in ge.results)
+
+
+def test_duckdb_judges_what_great_expectations_records(tmp_path):
+    """What DuckDB judged is stored as Great Expectations' own validation result and its Data
+    Docs page is built from it: the failing expectation, its counts and a failing row's id."""
+    from pipeline.stages import validate
+
+    summary = run_ingest([write(tmp_path / "in" / "bad.json", CASES["frac_nonzero_is_fraction"][0])],
+                         Settings(warehouse=tmp_path / "wh"))
+    assert summary.status == "succeeded", summary
+    stored = sorted((tmp_path / "wh" / "gx" / "uncommitted" / "validations").rglob("*.json"))
+    assert stored, "no Great Expectations result was stored"
+    results = {}
+    for path in stored:
+        doc = json.loads(path.read_text())
+        for r in doc["results"]:
+            results[r["expectation_config"]["meta"]["check_name"]] = r
+    bad = results["frac_nonzero_is_fraction"]
+    assert bad["success"] is False and bad["result"]["unexpected_count"] == 1
+    assert bad["result"]["partial_unexpected_list"] == [1.5]
+    assert results["feature_index_not_negative"]["success"] is True
+    pages = validate.build_data_docs(tmp_path / "wh", summary.run_id)
+    assert pages and any("1.5" in p.read_text() for p in pages)

@@ -297,8 +297,7 @@ def validate_batch(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any]) -> V
     input ids, which the caller adds) and one result per expectation.
     """
     outcome = ValidationOutcome()
-    with _GX_USE:
-        _validate_tables(conn, staged, outcome)
+    _validate_tables(conn, staged, outcome)
     return outcome
 
 
@@ -309,23 +308,52 @@ def _suites() -> tuple[dict, dict]:
         return _gx()
 
 
-def _check_frame(conn: duckdb.DuckDBPyConnection, table: str):
-    """The staged ``table``'s check columns, a pandas frame for Great Expectations."""
+def _check_relation(conn: duckdb.DuckDBPyConnection, table: str) -> str:
+    """Compute the staged ``table``'s check columns into a temporary table; returns a query of
+    them (one row per record, ``_row`` its id)."""
     if table == "activations":
         # One pass over the batch's token and value lists: the checks, and beside them what
         # the statistics need (the load reads it back for the rows that load).
         conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_activation_checks AS {_ACTIVATION_CHECKS_AND_EXCERPTS}")
-        return conn.sql(f"SELECT * EXCLUDE ({', '.join('x_' + n for n, _ in EXCERPT)}) "
-                        "FROM stage_activation_checks").df()
-    return conn.sql(_CHECK_SQL[table]).df()
+        return (f"SELECT * EXCLUDE ({', '.join('x_' + n for n, _ in EXCERPT)}) "
+                "FROM stage_activation_checks")
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE stage_{table}_checks AS {_CHECK_SQL[table]}")
+    return f"SELECT * FROM stage_{table}_checks"
+
+
+def _check_frame(conn: duckdb.DuckDBPyConnection, table: str):
+    """The staged ``table``'s check columns, a pandas frame for Great Expectations."""
+    return conn.sql(_check_relation(conn, table)).df()
+
+
+#: Who judges a batch's check columns. ``"duckdb"``: each expectation of a type in ``sql_judge``
+#: is evaluated as SQL in DuckDB, with Great Expectations' semantics (a test holds the two
+#: roads to the same outcome), and Great Expectations records the results for its Data Docs
+#: in the store's thread; a suite with any other type goes to Great Expectations whole.
+#: ``"gx"``: Great Expectations judges every table (on a pandas frame of the check columns).
+JUDGE = "duckdb"
 
 
 def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], outcome: ValidationOutcome) -> None:
+    from . import sql_judge
+
+    frames = {}
+    for table in staged:
+        query = _check_relation(conn, table)
+        if JUDGE == "duckdb" and sql_judge.can_judge(load_suite(table)):
+            sql_judge.judge(conn, table, query, load_suite(table), outcome)
+        else:
+            frames[table] = conn.sql(query).df()
     # Great Expectations (~3 s of CPU to import) only once a table has records to judge: a batch
     # whose every input was refused before staging has none, and pays nothing for it.
     # Every table's check columns first (DuckDB), then Great Expectations judges them: the
     # first batch's checks run while Great Expectations is still being imported in a thread.
-    frames = {table: _check_frame(conn, table) for table in staged}
+    if frames:
+        with _GX_USE:
+            _gx_judge(frames, outcome)
+
+
+def _gx_judge(frames: dict[str, Any], outcome: ValidationOutcome) -> None:
     for table, frame in frames.items():
         n = len(frame)
         failed: dict[int, list[tuple[str, str]]] = {}
@@ -450,6 +478,10 @@ def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: An
     run = RunIdentifier(run_name=run_id, run_time=validated_at)
     keys = []
     for table, result in outcome.gx_results.items():
+        if isinstance(result, dict):  # judged by DuckDB (sql_judge): Great Expectations records it
+            from .sql_judge import to_great_expectations
+
+            result = to_great_expectations(result)
         key = ValidationResultIdentifier(
             expectation_suite_identifier=ExpectationSuiteIdentifier(name=result.suite_name),
             run_id=run,
