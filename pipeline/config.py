@@ -39,6 +39,19 @@ def _env_str(name: str) -> str | None:
     return raw.strip() if raw and raw.strip() else None
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    raw = _env_str(name)
+    if raw is None:
+        return default
+    if raw.lower() not in choices:
+        raise BadSetting(f"{name} must be one of {', '.join(choices)}, got {raw!r}")
+    return raw.lower()
+
+
+#: The values of ``Settings.data_docs``.
+DATA_DOCS = ("run", "report")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Where the warehouse lives and the limits an ingest run enforces."""
@@ -121,6 +134,13 @@ class Settings:
     """Where the find index lives (the derived DuckDB file `featurehouse search`, `similar`,
     `by-token` and `show` read, rebuilt from the warehouse at will): always on this machine's
     disk; `$FEATUREHOUSE_FIND_DIR`, else `find/` in the warehouse folder."""
+
+    data_docs: str = "run"
+    """When Great Expectations' Data Docs of a run are built: `run` (with the run's own report,
+    in `ingest` and every DAG run), or `report` (only by `featurehouse report` and the nightly
+    DAG's report task: an ingest then imports no Great Expectations, ~3 s of CPU a process; its
+    results wait as JSON under the Great Expectations folder until then);
+    `$FEATUREHOUSE_DATA_DOCS`."""
 
     @property
     def catalog_url(self) -> str:
@@ -215,6 +235,7 @@ class Settings:
             or _env_str("AWS_ENDPOINT_URL"),
             s3_region=_env_str("AWS_REGION") or _env_str("AWS_DEFAULT_REGION") or cls.s3_region,
             find_dir=Path(find) if (find := _env_str("FEATUREHOUSE_FIND_DIR")) else None,
+            data_docs=_env_choice("FEATUREHOUSE_DATA_DOCS", DATA_DOCS, cls.data_docs),
         )
         known = {f.name for f in fields(cls)}
         clean = {k: v for k, v in overrides.items() if v is not None and k in known}
@@ -235,4 +256,5 @@ _ENV: dict[str, tuple[str, ...]] = {
     "lock_timeout": ("FEATUREHOUSE_LOCK_TIMEOUT",),
     "s3_endpoint": ("FEATUREHOUSE_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
     "s3_region": ("AWS_REGION", "AWS_DEFAULT_REGION"), "find_dir": ("FEATUREHOUSE_FIND_DIR",),
+    "data_docs": ("FEATUREHOUSE_DATA_DOCS",),
 }

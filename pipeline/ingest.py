@@ -353,7 +353,8 @@ class _Run:
         self.batch_no += 1
         batch.scratch = self.scratch / f"batch-{self.batch_no}"
         now = utcnow()
-        if not self._warm_up_started and (batch.parsed or batch.fast or any(batch.exports.values())):
+        if not self._warm_up_started and (batch.parsed or batch.fast or any(batch.exports.values())) \
+                and validate.needs_great_expectations(self.settings.data_docs):
             # Import Great Expectations (~3 s of Python) while DuckDB reads, which releases the
             # GIL; started earlier it would slow down landing, which needs the GIL too. Not for a
             # batch of refused inputs only: it has no record to validate.
@@ -592,6 +593,9 @@ class _Run:
 
     def _store_one(self, batch_no: int, now: datetime, outcome: validate.ValidationOutcome) -> None:
         try:  # Great Expectations' own record of the batch, for its Data Docs; never fails a run
+            if self.settings.data_docs == "report" and validate.store_pending(
+                    self.settings.gx_dir, self.summary.run_id, batch_no, now, outcome) is not None:
+                return  # recorded when the run's Data Docs are built (featurehouse report)
             validate.store_results(self.settings.gx_dir, self.summary.run_id, batch_no, now, outcome,
                                    pages=self.report_after)  # the report then builds only the index
         except Exception as exc:
@@ -641,6 +645,8 @@ class _Run:
 
     def _data_docs_ahead(self) -> None:
         self.wait_stored()
+        if self.settings.data_docs == "report":
+            return
         validate.build_data_docs(self.settings.gx_dir, self.summary.run_id, index=False)
 
     def close(self, failed: bool = False) -> None:

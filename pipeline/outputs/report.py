@@ -866,7 +866,12 @@ def _write_read(conn, run_id, out_dir: Path, settings: Settings, data_docs_index
     else:
         ctx = _gather(conn, run)
         ctx["charts"] = _charts(ctx, out_dir / ".charts")
-        ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir, data_docs_index)
+        if settings.data_docs == "report" and not data_docs_index and validate.has_pending(settings.gx_dir, run_id):
+            # a run's own report, with its Data Docs left to `featurehouse report` (no Great
+            # Expectations in the ingest): say how to build them
+            ctx["data_docs"] = {"pending": f"featurehouse report --run {run_id}"}
+        else:
+            ctx["data_docs"] = _data_docs(settings.gx_dir, run_id, out_dir, data_docs_index)
     ctx["warehouse"] = str(settings.warehouse)
     ctx["generated_at"] = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     from .. import __version__

@@ -496,6 +496,64 @@ def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: An
     return len(outcome.gx_results)
 
 
+#: Where results judged by DuckDB wait, as JSON, for Great Expectations to record them when the
+#: run's Data Docs are built (``Settings.data_docs = "report"``): under the results store's folder.
+_PENDING = Path("gx") / "uncommitted" / "featurehouse-pending"
+
+
+def needs_great_expectations(data_docs: str) -> bool:
+    """Whether an ingest imports Great Expectations: to judge (a suite DuckDB cannot judge, or
+    ``JUDGE = "gx"``), or to record results and build Data Docs with the run (``data_docs="run"``)."""
+    from . import sql_judge
+
+    return data_docs != "report" or JUDGE != "duckdb" or not all(
+        sql_judge.can_judge(load_suite(t)) for t in SUITES)
+
+
+def store_pending(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
+                  outcome: ValidationOutcome) -> int | None:
+    """Keep one batch's results, judged by DuckDB, as JSON until the run's Data Docs are built
+    (``build_data_docs`` has Great Expectations record them then); no Great Expectations here.
+    Returns how many tables' results were kept, or None when a table was judged by Great
+    Expectations (its result is an object of Great Expectations: ``store_results`` stores it)."""
+    if not all(isinstance(r, dict) for r in outcome.gx_results.values()):
+        return None
+    folder = Path(project_dir) / _PENDING / run_id
+    folder.mkdir(parents=True, exist_ok=True)
+    for table, record in outcome.gx_results.items():
+        path = folder / f"batch-{batch_no:04d}-{table}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps({"batch_no": batch_no, "validated_at": validated_at.isoformat(),
+                                   "table": table, "record": record}, default=str))
+        os.replace(tmp, path)
+    return len(outcome.gx_results)
+
+
+def _record_pending(project_dir: Path | str, run_id: str) -> int:
+    """Have Great Expectations record the run's results kept by ``store_pending``; returns how
+    many batches' were recorded. Each file is removed once its results are stored."""
+    folder = Path(project_dir) / _PENDING / run_id
+    files = sorted(folder.glob("batch-*.json")) if folder.is_dir() else []
+    done = 0
+    for path in files:
+        kept = json.loads(path.read_text())
+        outcome = ValidationOutcome(gx_results={kept["table"]: kept["record"]})
+        _store(project_dir, run_id, int(kept["batch_no"]),
+               datetime.datetime.fromisoformat(kept["validated_at"]), outcome)
+        path.unlink()
+        done += 1
+    if files:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+    return done
+
+
+def has_pending(project_dir: Path | str, run_id: str) -> bool:
+    """Whether the run has results waiting for its Data Docs (see ``store_pending``)."""
+    folder = Path(project_dir) / _PENDING / run_id
+    return folder.is_dir() and any(folder.glob("batch-*.json"))
+
+
 def _no_page(like):
     """A validation result key no stored result has (``like``'s, in a batch no run names)."""
     from great_expectations.data_context.types.resource_identifiers import (
@@ -523,6 +581,9 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
     # The results store is a folder per suite and run: when the run stored none (an unchanged
     # re-run), there is nothing to build, and no reason to import Great Expectations (seconds).
     base = Path(project_dir) / "gx" / "uncommitted"
+    if has_pending(project_dir, run_id):
+        with _GX_USE:
+            _record_pending(project_dir, run_id)
     stored = sorted(base.glob(f"validations/*/{glob_escape(run_id)}/*/*.json"))
     if not stored:
         return []
