@@ -205,7 +205,7 @@ PAUSED_FLOOR = "import gc; gc.disable(); " + IMPORT_FLOOR + "; gc.freeze()"
 def case_one(r: Runner, n: int, pairs: int) -> dict:
     wh = r.workdir / f"wh-{n}"
     start = n + 10_000 + int(time.time()) % 10_000
-    made = iter(range(pairs))
+    made = iter(range(2 * pairs))  # one new feature for each run of ours() and of later()
 
     def ours() -> dict:
         one = r.workdir / "one-new-page"

@@ -158,11 +158,11 @@ def _value(v: Any) -> Any:
 
 
 def judge(conn: duckdb.DuckDBPyConnection, table: str, query: str, suite: dict[str, Any],
-          outcome: Any) -> None:
+          outcome: Any, record_kind: str) -> None:
     """Judge the rows of ``query`` (check columns, ``_row`` and ``record_key`` among them) by
     ``suite``; appends to ``outcome`` what ``validate._validate_tables`` appends from Great
-    Expectations' result, and ``outcome.gx_results[table]``: what Great Expectations records."""
-    from .validate import SUITES
+    Expectations' result, and ``outcome.gx_results[table]``: what Great Expectations records.
+    ``record_kind`` names a quarantined row's kind of record (``validate.SUITES[table]``)."""
 
     rel = conn.sql(query)
     cols = _Columns(dict(zip(rel.columns, map(str, rel.types))))
@@ -243,7 +243,7 @@ def judge(conn: duckdb.DuckDBPyConnection, table: str, query: str, suite: dict[s
         by_key.update((int(r), str(k)) for r, k in all_rows)
     for row, checks in sorted(failed.items()):
         for check, detail in checks:
-            outcome.quarantine.append({"table": table, "row": row, "record_kind": SUITES[table],
+            outcome.quarantine.append({"table": table, "row": row, "record_kind": record_kind,
                                        "record_key": by_key[row], "check_name": check, "detail": detail})
 
 

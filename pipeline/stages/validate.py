@@ -341,7 +341,7 @@ def _validate_tables(conn: duckdb.DuckDBPyConnection, staged: dict[str, Any], ou
     for table in staged:
         query = _check_relation(conn, table)
         if JUDGE == "duckdb" and sql_judge.can_judge(load_suite(table)):
-            sql_judge.judge(conn, table, query, load_suite(table), outcome)
+            sql_judge.judge(conn, table, query, load_suite(table), outcome, SUITES[table])
         else:
             frames[table] = conn.sql(query).df()
     # Great Expectations (~3 s of CPU to import) only once a table has records to judge: a batch
