@@ -505,6 +505,72 @@ def report_cmd(warehouse, run_id, out_dir) -> None:
     click.echo(f"index  {path.parent / 'index.html'}")
 
 
+def _at_time(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a time such as 2026-11-29T03:00:00Z") from None
+
+
+@cli.command("publish")
+@click.argument("dest", type=click.Path(path_type=Path))
+@warehouse_option
+@click.option("--snapshot", type=click.IntRange(min=0), default=None, help="The warehouse snapshot to publish (default: the latest).")
+@click.option("--at", "at", default=None, callback=_at_time, metavar="TIME",
+              help="Publish the snapshot the warehouse had at this time (UTC unless it says otherwise).")
+@click.option("--tables", default=None, metavar="T1,T2",
+              help="Tables to publish (default: models, sources, features, activations, explanations and the statistics).")
+@click.option("--format", "fmt", type=click.Choice(["ducklake", "hf", "both"]), default="both", show_default=True,
+              help="A DuckLake (DEST/featurehouse.ducklake + DEST/data/), a Hugging Face dataset (DEST/hf/), or both.")
+@click.option("--url", default=None, metavar="URL",
+              help="Where DEST will be served from (https://host/path or s3://bucket/prefix): the catalog names its "
+                   "files there, so `ATTACH 'ducklake:URL/featurehouse.ducklake'` is all a reader needs.")
+@click.option("--license", "license_", default=None, help="The licence the dataset card states (e.g. cc-by-4.0).")
+@click.option("--include-private", is_flag=True,
+              help="Keep the columns left out by default (input paths, hosts, errors) of the tables named.")
+@click.option("--dry-run", is_flag=True, help="Say what would be written, write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead.")
+def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, include_private, dry_run, as_json) -> None:
+    """Publish a snapshot of the warehouse into DEST: a DuckLake anyone attaches read-only with one
+    line (over HTTP, S3 or in place) and a Hugging Face dataset of Parquet files with its card.
+
+    Publishing again into the same DEST sends only what changed: new data files, then the new
+    catalog, which replaces the old one last (a reader of the old one keeps reading)."""
+    from .outputs import publish
+
+    settings = Settings.from_env(warehouse=warehouse)
+    formats = ("ducklake", "hf") if fmt == "both" else (fmt,)
+    names = [t.strip() for t in tables.split(",") if t.strip()] if tables else None
+    try:
+        r = publish.publish(settings, dest, snapshot=snapshot, at=at, tables=names, formats=formats, url=url,
+                            license=license_, include_private=include_private, dry_run=dry_run)
+    except (publish.PublishRefused, *_USER_ERRORS) as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        why = "the disk is full" if disk_full(exc) else (exc.strerror or str(exc))
+        raise click.ClickException(f"could not publish into {dest}: {why} ({exc.filename or dest}); "
+                                   "the previous publication there is still whole") from None
+    if as_json:
+        _print_json({"dest": str(r.dest), "snapshot_id": r.snapshot_id, "snapshot_time": r.snapshot_time.isoformat(),
+                     "dry_run": r.dry_run, "formats": list(r.formats), "bytes_written": r.bytes_written,
+                     "files_written": r.files_written, "seconds": round(r.seconds, 2),
+                     "tables": [vars(t) for t in r.tables], "open_with": r.lines()})
+        return
+    verb = "would publish" if dry_run else "published"
+    click.echo(f"{verb} snapshot {r.snapshot_id} ({r.snapshot_time:%Y-%m-%d %H:%M:%S} UTC) into {r.dest}"
+               + ("" if dry_run else f": {r.files_written} file(s), {r.bytes_written:,} bytes in {r.seconds:.1f}s"))
+    for t in r.tables:
+        what = {"new": f"{t.rows:,} rows", "whole": f"{t.rows:,} rows, written whole ({t.why})",
+                "changes": f"{t.rows:,} rows: +{t.added:,} -{t.removed:,}", "unchanged": f"{t.rows:,} rows, unchanged"}[t.how]
+        click.echo(f"  {t.table:<26} {what}")
+    if not dry_run:
+        click.echo("open it with:")
+        for line in r.lines():
+            click.echo(f"  {line}")
+
+
 @cli.command("materialise")
 @warehouse_option
 @click.option("--run-id", default=None, help="Refresh only the features this run changed (default: all).")

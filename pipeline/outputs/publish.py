@@ -1,0 +1,628 @@
+"""Publish a snapshot of the warehouse that anyone opens with one line.
+
+Two layouts in one folder ``DEST`` (``publish``):
+
+* ``ducklake``: ``DEST/featurehouse.ducklake``, a DuckLake catalog in a **DuckDB file**, with its
+  Parquet files under ``DEST/data/`` addressed relatively. Served over HTTP(S) by anything that
+  answers Range requests (or from S3, or read in place), a plain DuckDB with ``httpfs`` and
+  ``ducklake`` attaches it read-only and reads only the row groups a query needs. It holds the
+  published tables as of one warehouse snapshot, the ``publication`` table (one row per
+  publication into this folder: the warehouse snapshot, its time, the tables' counts) and, as
+  DuckLake snapshots of its own, every earlier publication into the same folder.
+* ``hf``: ``DEST/hf/<table>/*.parquet`` (sorted by model, source and feature) and
+  ``DEST/hf/README.md``, a Hugging Face dataset card whose YAML ``configs`` name each table's
+  files, with what each column means, the counts, the snapshot and the runs' data-quality
+  verdicts.
+
+**Incremental.** A later publication into the same folder applies what changed in the
+warehouse since the snapshot the folder holds, read from DuckLake's change feed
+(``ducklake_table_changes``): the rows the warehouse removed are deleted from the published
+table (DuckLake writes a delete file) and the rows it added are appended in a new Parquet file.
+Files are never rewritten or deleted, so a reader attached to the previous catalog keeps
+reading, and what is sent is the new files and the new catalog, which replaces the old one last
+(``os.replace``). A table is written whole instead when the change feed cannot say (the
+snapshot published before was expired by ``maintain``, another warehouse, another snapshot
+older than the published one, its columns changed) or when the result would not hold exactly the
+warehouse's row count. The ``hf`` layout rewrites the files of the tables that changed.
+
+**Private.** What leaves is the data tables and their statistics (``DEFAULT_TABLES``); other
+tables only when named (``tables``), and even then without the columns that say where the
+inputs came from or who ran what (``PRIVATE_COLUMNS``: paths, hosts, errors) unless
+``include_private``. Nothing of the landing area is published, and DEST may not be inside the
+warehouse.
+
+Why not the ``frozen-ducklake`` project: it is not on this project's package index (``pip
+download frozen-ducklake`` finds no version here), and it copies a lake whole; the change feed
+is what makes a nightly publication send ~a page's worth of bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from ..config import SCHEMAS_DIR, Settings
+from ..lake import warehouse as warehouse_mod
+from ..lake.warehouse import CATALOG, _q
+
+__all__ = ["DEFAULT_TABLES", "PRIVATE_COLUMNS", "PublishRefused", "Published", "publish", "CATALOG_FILE"]
+
+#: The tables a publication holds unless told otherwise: the data and its statistics.
+DEFAULT_TABLES = ("models", "source_sets", "sources", "features", "activations", "explanations",
+                  "feature_activation_stats", "feature_token_stats", "source_activation_stats")
+
+#: Columns left out unless ``include_private``: where inputs came from (paths, URLs with hosts),
+#: who ran a run (host, pid), errors that quote paths, and where reports were written.
+PRIVATE_COLUMNS = {
+    "runs": ("host", "pid", "error", "report_path"),
+    "raw_inputs": ("origin", "reason"),
+    "fetch_failures": ("url", "last_error"),
+}
+
+#: Tables never published: the schema's own bookkeeping.
+NEVER = ("schema_version",)
+
+CATALOG_FILE = "featurehouse.ducklake"
+LOCK_FILE = ".publish.lock"
+PUB = "fh_publish"
+_KEY = ("model_id", "source_id", "feature_index")
+#: Rows per Parquet row group of the published files (DuckDB's writer flushes at multiples of its
+#: 2,048-row vectors): a one-feature lookup over HTTP reads the row group that holds it.
+ROW_GROUP_ROWS = 2048
+
+
+class PublishRefused(ValueError):
+    """A publication that would leak, overwrite the warehouse or cannot be made: said in one line."""
+
+
+@dataclass
+class TableDone:
+    table: str
+    rows: int
+    how: str  # "new" | "whole" | "changes" | "unchanged"
+    added: int = 0
+    removed: int = 0
+    why: str = ""
+
+
+@dataclass
+class Published:
+    dest: Path
+    snapshot_id: int
+    snapshot_time: datetime
+    formats: tuple[str, ...]
+    tables: list[TableDone] = field(default_factory=list)
+    bytes_written: int = 0
+    files_written: int = 0
+    dry_run: bool = False
+    url: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def catalog(self) -> Path:
+        return self.dest / CATALOG_FILE
+
+    def lines(self) -> list[str]:
+        """The lines that open the publication, as a reader pastes them."""
+        out: list[str] = []
+        if "ducklake" in self.formats:
+            if self.url:
+                out.append("-- DuckDB (INSTALL ducklake; INSTALL httpfs; once):")
+                out.append(f"ATTACH 'ducklake:{self.url}/{CATALOG_FILE}' AS fh (READ_ONLY);")
+            else:
+                out.append("-- DuckDB, this folder in place (served over HTTP: publish with --url):")
+                out.append(f"ATTACH 'ducklake:{self.catalog}' AS fh (READ_ONLY, DATA_PATH '{self.dest}/data/', "
+                           "OVERRIDE_DATA_PATH true);")
+        if "hf" in self.formats:
+            base = f"{self.url}/hf" if self.url else str(self.dest / "hf")
+            out.append("# pandas:")
+            out.append(f"pd.read_parquet('{base}/features')" if not self.url else
+                       f"pd.read_parquet('{base}/features/data_0.parquet')")
+            out.append("# Hugging Face datasets (or load_dataset('ORG/NAME', 'features') once pushed to the Hub):")
+            out.append(f"datasets.load_dataset('{base}', 'features')" if not self.url else
+                       f"datasets.load_dataset('parquet', data_files='{base}/features/*.parquet')")
+        return out
+
+
+# --- where it goes -------------------------------------------------------------------------------
+
+def _inside(child: Path, parent: Path) -> bool:
+    try:
+        child.relative_to(parent)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_dest(settings: Settings, dest: Path) -> Path:
+    if str(dest).startswith("s3://"):
+        raise PublishRefused(
+            f"{dest}: publishing to S3 directly is not built yet; publish to a folder and copy it up "
+            "(`aws s3 sync DEST s3://bucket/prefix`: the catalog file last)")
+    dest = Path(os.path.abspath(dest))
+    places = [("the warehouse", settings.warehouse), ("its data path", settings.data_url),
+              ("the landing area", settings.landing_url)]
+    for name, where in places:
+        if str(where).startswith("s3://"):
+            continue
+        place = Path(os.path.abspath(where))
+        if _inside(dest, place) or _inside(place, dest):
+            raise PublishRefused(f"{dest} is inside {name} ({place}) or holds it: publish to a folder of its own")
+    if dest.exists() and not dest.is_dir():
+        raise PublishRefused(f"{dest} is a file, not a folder")
+    if dest.is_dir():
+        known = {CATALOG_FILE, "data", "hf", LOCK_FILE}
+        other = [p.name for p in dest.iterdir() if p.name not in known and not p.name.startswith(".featurehouse-")]
+        if other and not (dest / CATALOG_FILE).exists() and not (dest / "hf").exists():
+            raise PublishRefused(f"{dest} holds other files ({', '.join(sorted(other)[:3])}): publish into an "
+                                 "empty folder or one a publication made")
+    return dest
+
+
+def _sweep(dest: Path) -> None:
+    """Remove what a publication killed part-way left (``.featurehouse-<pid>-...`` of a process
+    that is gone): its catalog copy, its spill folder, a table's files not yet moved in."""
+    for folder in (dest, dest / "hf"):
+        if not folder.is_dir():
+            continue
+        for p in folder.glob(".featurehouse-*"):
+            m = re.match(r"\.featurehouse-(\d+)-", p.name)
+            if not m or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue  # a publication under way
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+
+
+# --- what is published ---------------------------------------------------------------------------
+
+def _snapshot(conn: duckdb.DuckDBPyConnection, snapshot: int | None, at: datetime | None) -> tuple[int, datetime]:
+    snaps = f"{CATALOG}.snapshots()"
+    if snapshot is not None and at is not None:
+        raise PublishRefused("give --snapshot or --at, not both")
+    if snapshot is not None:
+        row = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {snaps} WHERE snapshot_id = $s",
+                           {"s": int(snapshot)}).fetchone()
+        if row is None:
+            first, last = conn.execute(f"SELECT min(snapshot_id), max(snapshot_id) FROM {snaps}").fetchone()
+            raise PublishRefused(f"the warehouse has no snapshot {snapshot} (it keeps {first}..{last}; older ones "
+                                 "were expired by `featurehouse maintain`)")
+    elif at is not None:
+        if at.tzinfo is None:
+            at = at.replace(tzinfo=timezone.utc)
+        row = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {snaps} WHERE snapshot_time <= $t "
+                           "ORDER BY snapshot_id DESC LIMIT 1", {"t": at}).fetchone()
+        if row is None:
+            raise PublishRefused(f"the warehouse kept no snapshot as old as {at.isoformat()}")
+    else:
+        row = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {snaps} ORDER BY snapshot_id DESC LIMIT 1").fetchone()
+    sid, stime = row
+    if stime.tzinfo is None:
+        stime = stime.replace(tzinfo=timezone.utc)
+    return int(sid), stime.astimezone(timezone.utc)
+
+
+def _columns(conn: duckdb.DuckDBPyConnection, table: str, snap: int, include_private: bool) -> list[tuple[str, str]]:
+    rel = conn.sql(f"SELECT * FROM {CATALOG}.main.{table} AT (VERSION => {snap}) LIMIT 0")
+    drop = () if include_private else PRIVATE_COLUMNS.get(table, ())
+    return [(c, str(t)) for c, t in zip(rel.columns, rel.types) if c not in drop]
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _order(cols: list[str]) -> str:
+    keys = [c for c in _KEY if c in cols] or cols[:1]
+    return ", ".join(_ident(c) for c in keys)
+
+
+def _warehouse_id(conn: duckdb.DuckDBPyConnection) -> str:
+    """What tells this warehouse from another: when its schema was first made."""
+    (made,) = conn.execute(f"SELECT min(applied_at) FROM {CATALOG}.main.schema_version").fetchone()
+    return f"{made.isoformat() if made else ''}"
+
+
+def _tables(conn: duckdb.DuckDBPyConnection, snap: int, tables: list[str] | None) -> list[str]:
+    have = {r[0] for r in conn.execute(
+        f"SELECT table_name FROM duckdb_tables() WHERE database_name = '{CATALOG}' AND schema_name = 'main'").fetchall()}
+    want = list(tables) if tables else list(DEFAULT_TABLES)
+    unknown = [t for t in want if t not in have or t in NEVER]
+    if unknown:
+        import difflib
+
+        hints = [f"{t} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(t, sorted(have), 1)) else t
+                 for t in unknown]
+        raise PublishRefused(f"no such table to publish: {', '.join(hints)}")
+    return [t for t in dict.fromkeys(want) if t in have]
+
+
+# --- the DuckLake ---------------------------------------------------------------------------------
+
+def _previous(conn: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
+    with contextlib.suppress(duckdb.CatalogException):
+        row = conn.execute(f"SELECT * FROM {PUB}.main.publication ORDER BY published_at DESC LIMIT 1").fetchone()
+        if row is None:
+            return None
+        cols = [d[0] for d in conn.description]
+        return dict(zip(cols, row))
+    return None
+
+
+def _change_feed_covers(conn: duckdb.DuckDBPyConnection, prev: dict[str, Any] | None, snap: int, wid: str) -> str:
+    """Why the change feed cannot be used since ``prev`` ('' when it can)."""
+    if prev is None:
+        return "first publication"
+    if prev["warehouse_id"] != wid:
+        return "published from another warehouse before"
+    if int(prev["snapshot_id"]) > snap:
+        return f"snapshot {snap} is older than the one published ({prev['snapshot_id']})"
+    (first,) = conn.execute(f"SELECT min(snapshot_id) FROM {CATALOG}.snapshots()").fetchone()
+    if int(first) > int(prev["snapshot_id"]):
+        return f"the warehouse no longer keeps snapshot {prev['snapshot_id']} (expired by maintain)"
+    return ""
+
+
+def _same_columns(conn: duckdb.DuckDBPyConnection, table: str, cols: list[tuple[str, str]]) -> bool:
+    try:
+        rel = conn.sql(f"SELECT * FROM {PUB}.main.{_ident(table)} LIMIT 0")
+    except (duckdb.CatalogException, duckdb.BinderException):  # no such table, or no publication yet
+        return False
+    return [(c, str(t)) for c, t in zip(rel.columns, rel.types)] == cols
+
+
+def _count(conn: duckdb.DuckDBPyConnection, sql: str) -> int:
+    return int(conn.execute(f"SELECT count(*) FROM {sql}").fetchone()[0])
+
+
+def _apply_changes(conn: duckdb.DuckDBPyConnection, table: str, cols: list[str], since: int, snap: int,
+                   dry_run: bool) -> TableDone | None:
+    """Apply the warehouse's changes to ``table`` between ``since`` and ``snap`` to the published
+    table; None when the result would not hold exactly the warehouse's rows (then written whole)."""
+    sel = ", ".join(_ident(c) for c in cols)
+    want = _count(conn, f"{CATALOG}.main.{table} AT (VERSION => {snap})")
+    if since == snap:
+        return TableDone(table, want, "unchanged") if _count(conn, f"{PUB}.main.{_ident(table)}") == want else None
+    feed = f"ducklake_table_changes('{CATALOG}', 'main', '{table}', {since + 1}, {snap})"
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE _pub_in AS SELECT {sel} FROM {feed} "
+                 "WHERE change_type IN ('insert', 'update_postimage')")
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE _pub_out AS SELECT {sel} FROM {feed} "
+                 "WHERE change_type IN ('delete', 'update_preimage')")
+    # the net change: a row added and removed again in between is neither (multisets: EXCEPT ALL)
+    conn.execute("CREATE OR REPLACE TEMP TABLE _pub_add AS SELECT * FROM _pub_in EXCEPT ALL SELECT * FROM _pub_out")
+    conn.execute("CREATE OR REPLACE TEMP TABLE _pub_rm AS SELECT * FROM _pub_out EXCEPT ALL SELECT * FROM _pub_in")
+    n_add, n_rm = _count(conn, "_pub_add"), _count(conn, "_pub_rm")
+    have = _count(conn, f"{PUB}.main.{_ident(table)}")
+    if have + n_add - n_rm != want:
+        return None
+    if not n_add and not n_rm:
+        return TableDone(table, want, "unchanged")
+    if dry_run:
+        return TableDone(table, want, "changes", n_add, n_rm)
+    if n_rm:
+        # a removed row is found by the hash of all its columns (NULLs included), then compared whole
+        (gone,) = conn.execute(
+            f"DELETE FROM {PUB}.main.{_ident(table)} t WHERE hash({sel}) IN (SELECT hash({sel}) FROM _pub_rm)"
+        ).fetchone()
+        if int(gone) != n_rm:
+            return None
+    if n_add:
+        conn.execute(f"INSERT INTO {PUB}.main.{_ident(table)} SELECT * FROM _pub_add ORDER BY {_order(cols)}")
+    if _count(conn, f"{PUB}.main.{_ident(table)}") != want:
+        return None
+    return TableDone(table, want, "changes", n_add, n_rm)
+
+
+def _write_whole(conn: duckdb.DuckDBPyConnection, table: str, cols: list[tuple[str, str]], snap: int,
+                 why: str, dry_run: bool) -> TableDone:
+    names = [c for c, _ in cols]
+    sel = ", ".join(_ident(c) for c in names)
+    src = f"{CATALOG}.main.{table} AT (VERSION => {snap})"
+    want = _count(conn, src)
+    existed = _same_columns(conn, table, cols)
+    if dry_run:
+        return TableDone(table, want, "whole" if existed else "new", want, 0, why)
+    t = f"{PUB}.main.{_ident(table)}"
+    if existed:
+        conn.execute(f"DELETE FROM {t}")
+    else:
+        conn.execute(f"DROP TABLE IF EXISTS {t}")
+        conn.execute(f"CREATE TABLE {t} AS SELECT {sel} FROM {src} LIMIT 0")
+    conn.execute(f"INSERT INTO {t} SELECT {sel} FROM {src} ORDER BY {_order(names)}")
+    return TableDone(table, want, "whole" if existed else "new", want, 0, why)
+
+
+def _files(folder: Path) -> dict[str, int]:
+    if not folder.is_dir():
+        return {}
+    return {str(p): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
+                      include_private: bool, url: str | None, dry_run: bool, out: Published) -> dict[str, str]:
+    """Write ``DEST/featurehouse.ducklake`` and ``DEST/data/``; the tables' how-written, by name."""
+    final = dest / CATALOG_FILE
+    work = dest / f".featurehouse-{os.getpid()}-{time.time_ns()}.ducklake"
+    data = dest / "data"
+    before = _files(data)
+    if final.exists():
+        shutil.copyfile(final, work)
+    elif dry_run:
+        work = None
+    wid = _warehouse_id(conn)
+    try:
+        if work is not None:
+            data.mkdir(parents=True, exist_ok=True)
+            opts = f"DATA_PATH '{_q(str(data))}/'" + (", OVERRIDE_DATA_PATH true" if final.exists() else "")
+            conn.execute(f"ATTACH 'ducklake:{_q(str(work))}' AS {PUB} ({opts})")
+            if not final.exists():
+                conn.execute(f"CALL {PUB}.set_option('parquet_row_group_size', {ROW_GROUP_ROWS})")
+                conn.execute(f"CALL {PUB}.set_option('parquet_compression', 'zstd')")
+                # rows in Parquet files, never in the catalog: the catalog stays small for a remote
+                # reader's attach, however many publications add a few rows
+                conn.execute(f"CALL {PUB}.set_option('data_inlining_row_limit', 0)")
+            prev = _previous(conn)
+        else:
+            prev = None
+        why_not = _change_feed_covers(conn, prev, snap, wid)
+        hows: dict[str, str] = {}
+        if work is not None and not dry_run:
+            conn.execute("BEGIN")
+        for table in tables:
+            cols = _columns(conn, table, snap, include_private)
+            done = None
+            if not why_not and work is not None and _same_columns(conn, table, cols):
+                done = _apply_changes(conn, table, [c for c, _ in cols], int(prev["snapshot_id"]), snap, dry_run)
+                why = "the change feed did not add up to the warehouse's rows"
+            else:
+                why = why_not or "its columns changed"
+            if done is None:
+                done = _write_whole(conn, table, cols, snap, why, dry_run)
+            out.tables.append(done)
+            hows[table] = done.how
+        if work is not None and not dry_run:
+            counts = {d.table: d.rows for d in out.tables}
+            conn.execute(f"""CREATE TABLE IF NOT EXISTS {PUB}.main.publication (
+                published_at TIMESTAMP, snapshot_id BIGINT, snapshot_time TIMESTAMP, warehouse_id VARCHAR,
+                tables VARCHAR[], row_counts JSON, featurehouse_version VARCHAR)""")
+            from .. import __version__
+
+            conn.execute(f"INSERT INTO {PUB}.main.publication VALUES (now()::TIMESTAMP, $s, $t, $w, $tb, $c, $v)",
+                         {"s": snap, "t": snap_time.replace(tzinfo=None), "w": wid, "tb": tables,
+                          "c": json.dumps(counts), "v": __version__})
+            conn.execute("COMMIT")
+        if work is not None:
+            conn.execute(f"DETACH {PUB}")
+        if dry_run:
+            return hows
+        # A copy with small blocks: DuckDB's 256 KiB block a table made the catalog ~8 MB, which a
+        # remote reader reads on attaching; with 16 KiB blocks ~1.5 MB. Its data path: the URL it is
+        # served from, else relative to the catalog file.
+        compact = Path(str(work) + ".compact")
+        with duckdb.connect() as raw:
+            raw.execute(f"ATTACH '{_q(str(work))}' AS w (READ_ONLY)")
+            raw.execute(f"ATTACH '{_q(str(compact))}' AS c (BLOCK_SIZE 16384)")
+            raw.execute("COPY FROM DATABASE w TO c")
+            raw.execute("UPDATE c.ducklake_metadata SET value = $v WHERE key = 'data_path' AND scope IS NULL",
+                        {"v": f"{url}/data/" if url else "data/"})
+            raw.execute("DETACH c")
+        with open(compact, "rb") as f:
+            os.fsync(f.fileno())
+        work.unlink()
+        work = compact
+        os.replace(work, final)  # last: a reader of the old catalog reads its files, which stay
+        work = None
+        after = _files(data)
+        new = {p: s for p, s in after.items() if p not in before}
+        out.files_written += len(new) + 1
+        out.bytes_written += sum(new.values()) + final.stat().st_size
+        return hows
+    finally:
+        with contextlib.suppress(duckdb.Error):
+            conn.execute("ROLLBACK")
+        with contextlib.suppress(duckdb.Error):
+            conn.execute(f"DETACH DATABASE IF EXISTS {PUB}")
+        if work is not None:  # not published: what this publication wrote beside the catalog goes
+            base = str(work).removesuffix(".compact")
+            for leftover in (base, base + ".wal", base + ".compact", base + ".compact.wal"):
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+
+
+# --- the Hugging Face layout -----------------------------------------------------------------------
+
+def _column_notes() -> dict[str, dict[str, str]]:
+    """What each column means, from the comments of the migrations' DDL."""
+    notes: dict[str, dict[str, str]] = {}
+    table = None
+    for path in sorted((SCHEMAS_DIR / "migrations").glob("*.sql")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if m := re.match(r"\s*CREATE TABLE (\w+)", line, re.I):
+                table = m.group(1)
+            elif re.match(r"\s*\)\s*;", line):
+                table = None
+            elif m := re.match(r"\s*ALTER TABLE (\w+) ADD COLUMN (?:IF NOT EXISTS )?\"?(\w+)\"?[^-]*--\s*(.+)", line, re.I):
+                notes.setdefault(m.group(1), {})[m.group(2)] = m.group(3).strip()
+            elif table and (m := re.match(r'\s*"?(\w+)"?\s+[A-Z][^-]*--\s*(.+)', line)):
+                notes.setdefault(table, {})[m.group(1)] = m.group(2).strip()
+    return notes
+
+
+def _grains() -> dict[str, str]:
+    """Each table's grain, from docs/tables.md where the checkout has it."""
+    doc = SCHEMAS_DIR.parent / "docs" / "tables.md"
+    out: dict[str, str] = {}
+    if doc.is_file():
+        for line in doc.read_text(encoding="utf-8").splitlines():
+            if m := re.match(r"\|\s*((?:`\w+`(?:,\s*)?)+)\s*\|\s*(.+?)\s*\|\s*$", line):
+                for t in re.findall(r"`(\w+)`", m.group(1)):
+                    out[t] = re.sub(r"\[([^\]]+)\]\([^)]*\)", r"\1", m.group(2))
+    return out
+
+
+def _runs_verdicts(conn: duckdb.DuckDBPyConnection, snap: int) -> list[dict[str, Any]]:
+    from .report import verdict
+
+    rows = conn.execute(
+        f"SELECT run_id, status, started_at, finished_at, n_received, n_duplicates, n_loaded, n_rejected, "
+        f"n_quarantined, n_expectations, n_expectations_failed, n_features, n_activations, n_explanations "
+        f"FROM {CATALOG}.main.runs AT (VERSION => {snap}) WHERE n_loaded > 0 ORDER BY started_at").fetchall()
+    cols = [d[0] for d in conn.description]
+    out = []
+    for r in rows:
+        run = dict(zip(cols, r))
+        v = verdict(run)
+        out.append({"run_id": run["run_id"], "started_at": str(run["started_at"]), "verdict": v.level,
+                    "why": v.reason, "features": run["n_features"], "quarantined": run["n_quarantined"]})
+    return out
+
+
+def _card(conn: duckdb.DuckDBPyConnection, tables: list[str], snap: int, snap_time: datetime,
+          license: str | None, include_private: bool, files: dict[str, list[str]]) -> str:
+    import yaml
+
+    notes, grains = _column_notes(), _grains()
+    meta = {
+        "license": license or "other",
+        "pretty_name": "featurehouse: Neuronpedia SAE features",
+        "tags": ["interpretability", "sparse-autoencoder", "neuronpedia", "featurehouse"],
+        "configs": [{"config_name": t, "data_files": [{"split": "train", "path": f"{t}/*.parquet"}],
+                     **({"default": True} if t == "features" else {})} for t in tables],
+    }
+    counts = {t: _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})") for t in tables}
+    models = [r[0] for r in conn.execute(
+        f"SELECT DISTINCT model_id FROM {CATALOG}.main.features AT (VERSION => {snap}) ORDER BY 1").fetchall()]
+    sources = conn.execute(
+        f"SELECT model_id, source_id, count(*) FROM {CATALOG}.main.features AT (VERSION => {snap}) "
+        "GROUP BY ALL ORDER BY 1, 2").fetchall()
+    runs = _runs_verdicts(conn, snap)
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", "",
+             "# Neuronpedia SAE features, validated and typed (featurehouse)", "",
+             "Feature pages of [Neuronpedia](https://www.neuronpedia.org) loaded by "
+             "[featurehouse](https://github.com/) into typed tables: every record checked by Great Expectations "
+             "suites, bad records quarantined, not loaded.", "",
+             f"- **Snapshot**: warehouse snapshot {snap}, {snap_time.isoformat()}",
+             f"- **Licence**: {license or 'not given by the publisher (Neuronpedia data: see its terms)'}",
+             f"- **Models**: {', '.join(models) or '(none)'}",
+             "- **Sources**: " + (", ".join(f"{m}/{s} ({n:,} features)" for m, s, n in sources) or "(none)"),
+             "", "## Tables", "", "| config | rows | what one row is |", "|---|---:|---|"]
+    lines += [f"| `{t}` | {counts[t]:,} | {grains.get(t, '').replace('|', '/')} |" for t in tables]
+    for t in tables:
+        cols = _columns(conn, t, snap, include_private)
+        lines += ["", f"### `{t}`", "", f"Files: {', '.join(f'`{f}`' for f in files.get(t, [])) or '(none)'}", "",
+                  "| column | type | meaning |", "|---|---|---|"]
+        lines += [f"| `{c}` | `{ty}` | {notes.get(t, {}).get(c, '').replace('|', '/')} |" for c, ty in cols]
+    lines += ["", "## Data quality", "", "The runs that loaded this data, with their verdicts (PASS, WARN, FAIL):", "",
+              "| run | started | verdict | why |", "|---|---|---|---|"]
+    lines += [f"| `{r['run_id']}` | {r['started_at']} | {r['verdict']} | {r['why'].replace('|', '/')} |" for r in runs]
+    lines += ["", "## Load", "", "```python", "import datasets", "ds = datasets.load_dataset('ORG/NAME', 'features')",
+              "import pandas as pd", "df = pd.read_parquet('hf/features')", "```", ""]
+    return "\n".join(lines)
+
+
+def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
+                include_private: bool, license: str | None, changed: dict[str, str], out: Published) -> None:
+    hf = dest / "hf"
+    hf.mkdir(parents=True, exist_ok=True)
+    for table in tables:
+        folder = hf / table
+        if changed.get(table) == "unchanged" and folder.is_dir():
+            continue
+        names = [c for c, _ in _columns(conn, table, snap, include_private)]
+        sel = ", ".join(_ident(c) for c in names)
+        tmp = hf / f".featurehouse-{os.getpid()}-{table}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) ORDER BY {_order(names)}) "
+                     f"TO '{_q(str(tmp))}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {ROW_GROUP_ROWS}, "
+                     "FILE_SIZE_BYTES '512MB', PER_THREAD_OUTPUT false)")
+        if not any(tmp.glob("*.parquet")):  # an empty table: one file with its columns
+            tmp.mkdir(exist_ok=True)
+            conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) LIMIT 0) "
+                         f"TO '{_q(str(tmp / 'data_0.parquet'))}' (FORMAT parquet)")
+        new = _files(tmp)
+        out.files_written += len(new)
+        out.bytes_written += sum(new.values())
+        old = hf / f".featurehouse-{os.getpid()}-{table}.old"
+        if folder.exists():
+            os.replace(folder, old)
+        os.replace(tmp, folder)
+        shutil.rmtree(old, ignore_errors=True)
+    files = {t: sorted(p.name for p in (hf / t).glob("*.parquet")) for t in tables}
+    card = _card(conn, tables, snap, snap_time, license, include_private, files)
+    tmp_card = hf / f".featurehouse-{os.getpid()}-README.md"
+    tmp_card.write_text(card, encoding="utf-8")
+    os.replace(tmp_card, hf / "README.md")
+    out.files_written += 1
+    out.bytes_written += len(card.encode())
+
+
+# --- the whole of it --------------------------------------------------------------------------------
+
+def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None = None, at: datetime | None = None,
+            tables: list[str] | None = None, formats: tuple[str, ...] = ("ducklake", "hf"), url: str | None = None,
+            license: str | None = None, include_private: bool = False, dry_run: bool = False) -> Published:
+    """Publish the warehouse's tables as of one snapshot (the latest by default) into ``dest``.
+
+    ``url``: where ``dest`` will be served from (``https://host/path``): the catalog then names
+    its data files there, and the printed line attaches it with nothing else. Raises
+    :class:`PublishRefused` for a publication that cannot or may not be made."""
+    started = time.monotonic()
+    bad = [f for f in formats if f not in ("ducklake", "hf")]
+    if bad or not formats:
+        raise PublishRefused(f"unknown format {', '.join(bad) or '(none)'}: ducklake, hf or both")
+    if url is not None:
+        url = url.rstrip("/")
+        if not re.match(r"(https?|s3|gs|r2|az)://\S+$", url):
+            raise PublishRefused(f"--url {url!r} is not an http(s):// or s3:// address")
+    dest = _check_dest(settings, Path(dest))
+    conn = warehouse_mod.connect(settings, read_only=True)
+    stack = contextlib.ExitStack()
+    try:
+        snap, snap_time = _snapshot(conn, snapshot, at)
+        names = _tables(conn, snap, tables)
+        spill = dest / f".featurehouse-{os.getpid()}-tmp"
+        if not dry_run:
+            dest.mkdir(parents=True, exist_ok=True)
+            # one publication into a folder at a time: two would each build on the same catalog,
+            # and the one replacing it last would drop the other's publication
+            lock = stack.enter_context(open(dest / LOCK_FILE, "a+b"))
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise PublishRefused(f"another publication into {dest} is under way: wait for it") from None
+            _sweep(dest)
+            conn.execute(f"SET temp_directory = '{_q(str(spill))}'")
+        out = Published(dest, snap, snap_time, tuple(formats), dry_run=dry_run, url=url)
+        changed: dict[str, str] = {}
+        if "ducklake" in formats:
+            changed = _publish_ducklake(conn, dest, names, snap, snap_time, include_private, url, dry_run, out)
+        if "hf" in formats and not dry_run:
+            _publish_hf(conn, dest, names, snap, snap_time, include_private, license, changed, out)
+        elif "hf" in formats and not out.tables:
+            out.tables = [TableDone(t, _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})"), "whole") for t in names]
+        shutil.rmtree(spill, ignore_errors=True)
+    finally:
+        conn.close()
+        stack.close()
+    out.seconds = time.monotonic() - started
+    return out

@@ -1,0 +1,333 @@
+"""featurehouse publish: a snapshot read by readers that have nothing of featurehouse.
+
+A plain DuckDB (httpfs and ducklake loaded from their wheels, no ``pipeline`` import, in its own
+process) attaches the published catalog over HTTP (a server that answers Range requests and
+counts the bytes it sends) and over S3 (moto's server), and gets exactly the rows the warehouse
+holds at that snapshot; pyarrow reads the Hugging Face layout, whose card's YAML names every
+file. A later publication sends only new files and a new catalog, and a reader of the old one
+keeps reading."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+from RangeHTTPServer import RangeRequestHandler
+
+from pipeline.config import Settings
+from pipeline.lake import warehouse as wh
+from pipeline.outputs import publish as pub
+from tests.conftest import good_page, run_ingest, write
+from tests.s3_support import S3_ENV, moto_s3
+
+pytestmark = pytest.mark.xdist_group("publish")
+FH = [sys.executable, "-m", "pipeline.cli"]
+
+#: A reader with nothing of featurehouse: DuckDB, its two extensions from their files, one ATTACH.
+READER = r"""
+import json, sys, duckdb
+a = json.loads(sys.argv[1])
+c = duckdb.connect(config={"autoinstall_known_extensions": False})
+c.execute("SET enable_progress_bar = false")
+for p in a["extensions"]:
+    c.execute(f"LOAD '{p}'")
+if a.get("s3"):
+    s = a["s3"]
+    c.execute(f"CREATE SECRET (TYPE s3, KEY_ID '{s['key']}', SECRET '{s['secret']}', REGION 'us-east-1', "
+              f"ENDPOINT '{s['endpoint']}', URL_STYLE 'path', USE_SSL false)")
+c.execute(a["attach"])
+out = {}
+for name, sql in a["queries"].items():
+    out[name] = [[repr(v) for v in r] for r in c.execute(sql).fetchall()]
+assert not any(m == "pipeline" or m.startswith("pipeline.") for m in sys.modules), "the reader imported pipeline"
+print(json.dumps(out))
+"""
+
+
+def _extensions(*names: str) -> list[str]:
+    return [wh.extension_path(n) for n in names]
+
+
+def read_plain(attach: str, queries: dict[str, str], s3: dict | None = None) -> dict[str, list]:
+    args = {"extensions": _extensions("httpfs", "ducklake"), "attach": attach, "queries": queries, "s3": s3}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEATUREHOUSE_")}
+    p = subprocess.run([sys.executable, "-c", READER, json.dumps(args)], capture_output=True, text=True, env=env,
+                       cwd="/", timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)
+
+
+class _Counting(RangeRequestHandler):
+    def copyfile(self, source, outputfile):
+        server = self.server
+
+        class Counter:
+            def write(self, b):
+                server.sent += len(b)
+                return outputfile.write(b)
+
+        return super().copyfile(source, Counter())
+
+    def log_message(self, *args):
+        pass
+
+
+class Served:
+    """A folder served over HTTP on loopback, answering Range requests, counting what it sends."""
+
+    def __init__(self, root: Path):
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Counting, directory=str(root)))
+        self.httpd.sent = 0
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @property
+    def sent(self) -> int:
+        return self.httpd.sent
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def warehouse_rows(settings: Settings, table: str, snapshot: int, drop: tuple[str, ...] = ()) -> list[list[str]]:
+    with wh.connect(settings, read_only=True) as conn:
+        cols = [c for c in conn.sql(f"SELECT * FROM {table} LIMIT 0").columns if c not in drop]
+        sel = ", ".join(f'"{c}"' for c in cols)
+        return [[repr(v) for v in r] for r in conn.execute(
+            f"SELECT {sel} FROM {table} AT (VERSION => {snapshot}) ORDER BY ALL").fetchall()]
+
+
+def _all(tables) -> dict[str, str]:
+    return {t: f"SELECT * FROM fh.{t} ORDER BY ALL" for t in tables}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A warehouse of 150 realistic pages (three row groups of activations) (each with its bad record) and five small ones of another
+    source, published once into a folder that a server serves."""
+    from bench.generate import write_pages
+
+    root = tmp_path_factory.mktemp("publish")
+    settings = Settings(warehouse=root / "wh")
+    pages = write_pages(150, root / "in" / "pages")
+    small = [write(root / "in" / "small" / f"{i}.json", orjson.dumps(good_page(i, source="5-res-jb")))
+             for i in range(5)]
+    run_ingest(pages + small, settings)
+    server = Served(root)
+    yield root, settings, server
+    server.close()
+
+
+def test_a_plain_duckdb_reads_the_published_lake_over_http_exactly(built):
+    root, settings, server = built
+    dest = root / "pub-http"
+    r = pub.publish(settings, dest, url=f"{server.url}/pub-http")
+    assert {t.table for t in r.tables} == set(pub.DEFAULT_TABLES)
+    assert all(t.how == "new" for t in r.tables)
+    attach = next(line for line in r.lines() if line.startswith("ATTACH"))
+    assert attach == f"ATTACH 'ducklake:{server.url}/pub-http/featurehouse.ducklake' AS fh (READ_ONLY);"
+    got = read_plain(attach, _all(pub.DEFAULT_TABLES))
+    for t in pub.DEFAULT_TABLES:
+        want = warehouse_rows(settings, t, r.snapshot_id)
+        assert got[t] == want, t
+        assert want, f"{t} is empty: the comparison proves nothing"
+    assert len(got["activations"]) == 150 * 39 + 5 * 3
+
+
+def test_a_remote_readers_first_query_and_a_lookup_read_little(built):
+    """What a reader costs over HTTP, counted at the server: attaching reads the catalog (~1 MB,
+    not DuckDB's 256 KiB block a table), a count reads it and at most 1 MB more, and one feature's
+    activations read at most 1 MB of data files (sorted by feature, row groups of 2,048 rows)."""
+    root, settings, server = built
+    dest = root / "pub-bytes"
+    r = pub.publish(settings, dest, url=f"{server.url}/pub-bytes", formats=("ducklake",))
+    catalog = r.catalog.stat().st_size
+    data = sum(p.stat().st_size for p in (dest / "data").rglob("*.parquet"))
+    assert catalog < 2_000_000, catalog
+    attach = f"ATTACH 'ducklake:{server.url}/pub-bytes/featurehouse.ducklake' AS fh (READ_ONLY)"
+
+    def cost(queries: dict[str, str]) -> tuple[int, dict]:
+        before = server.sent
+        out = read_plain(attach, queries)
+        return server.sent - before, out
+
+    attach_only, _ = cost({"one": "SELECT 1"})
+    first, out = cost({"n": "SELECT count(*) FROM fh.features"})
+    assert out["n"] == [["155"]]
+    assert first <= catalog + 1_000_000, (first, catalog)
+    (model, source, index) = warehouse_rows(settings, "features", r.snapshot_id)[20][:3]
+    lookup, out = cost({"acts": f"SELECT * FROM fh.activations WHERE model_id = {model} AND source_id = {source} "
+                                f"AND feature_index = {index}"})
+    assert len(out["acts"]) == 39
+    acts = sum(p.stat().st_size for p in (dest / "data" / "main" / "activations").glob("*.parquet"))
+    assert lookup - attach_only <= 1_000_000, (lookup, attach_only, data)
+    assert lookup - attach_only < 0.6 * acts, f"the lookup read {lookup - attach_only:,} of {acts:,} bytes: no pruning"
+
+
+def test_a_later_publication_sends_only_new_files_and_a_reader_of_the_old_keeps_reading(built, tmp_path):
+    root, settings, server = built
+    dest = root / "pub-again"
+    first = pub.publish(settings, dest)
+    before = {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in (dest / "data").rglob("*") if p.is_file()}
+    data_bytes = sum(s for s, _ in before.values())
+    old_catalog = tmp_path / "old.ducklake"  # a reader that attached the old catalog (its open file)
+    os.link(dest / pub.CATALOG_FILE, old_catalog)
+
+    # one new feature of a known source, and one feature captured again with a changed explanation
+    page = good_page(100_099)
+    changed = good_page(3, source="5-res-jb")
+    changed["explanations"][0]["description"] = "gpu things, rewritten"
+    run_ingest([write(tmp_path / "new" / "100099.json", orjson.dumps(page)),
+                write(tmp_path / "new" / "3.json", orjson.dumps(changed))], settings)
+    second = pub.publish(settings, dest)
+    assert second.snapshot_id > first.snapshot_id
+    how = {t.table: t for t in second.tables}
+    assert how["features"].how == "changes" and how["features"].added >= 1
+    assert how["explanations"].how == "changes" and how["explanations"].removed == 1
+    assert how["models"].how in ("unchanged", "changes")
+    # nothing written before was rewritten or removed
+    for p, (size, mtime) in before.items():
+        assert p.exists() and (p.stat().st_size, p.stat().st_mtime_ns) == (size, mtime), p
+    new = [p for p in (dest / "data").rglob("*") if p.is_file() and p not in before]
+    new_bytes = sum(p.stat().st_size for p in new)
+    # ~2 KB a Parquet file whatever it holds (footer, schema): at this size that is most of it; a
+    # table written whole again would be all of data_bytes
+    assert new and new_bytes <= 0.05 * data_bytes, (new_bytes, data_bytes)
+    # the new catalog gives the warehouse's rows; the old one, what was published first
+    local = f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
+    got = read_plain(local, _all(pub.DEFAULT_TABLES))
+    for t in pub.DEFAULT_TABLES:
+        assert got[t] == warehouse_rows(settings, t, second.snapshot_id), t
+    old = read_plain(f"ATTACH 'ducklake:{old_catalog}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)",
+                     _all(["features", "explanations"]))
+    assert old["features"] == warehouse_rows(settings, "features", first.snapshot_id)
+    assert old["explanations"] == warehouse_rows(settings, "explanations", first.snapshot_id)
+    # the publications are the published lake's own history
+    hist = read_plain(local, {"p": "SELECT snapshot_id FROM fh.publication ORDER BY published_at"})
+    assert hist["p"] == [[repr(first.snapshot_id)], [repr(second.snapshot_id)]]
+
+
+def test_the_hugging_face_layout_reads_with_pyarrow_and_its_card_names_every_file(built):
+    import pyarrow.parquet as pq
+    import yaml
+
+    root, settings, _ = built
+    dest = root / "pub-hf"
+    r = pub.publish(settings, dest, formats=("hf",), license="cc-by-4.0")
+    card = (dest / "hf" / "README.md").read_text()
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["license"] == "cc-by-4.0"
+    configs = {c["config_name"]: c for c in front["configs"]}
+    assert set(configs) == set(pub.DEFAULT_TABLES)
+    for t, c in configs.items():
+        pattern = c["data_files"][0]["path"]
+        files = sorted((dest / "hf").glob(pattern))
+        assert files, pattern
+        table = pq.ParquetDataset(files).read()
+        assert table.num_rows == len(warehouse_rows(settings, t, r.snapshot_id)), t
+        assert f"`{t}`" in card
+    assert "| `max_value` |" in card and "WARN" in card  # columns described; the runs' verdicts (each page has a bad record)
+    feats = pq.read_table(dest / "hf" / "features").to_pylist()
+    keys = [(f["model_id"], f["source_id"], f["feature_index"]) for f in feats]
+    assert keys == sorted(keys)
+
+
+def test_private_columns_stay_home_unless_asked(built, tmp_path):
+    root, settings, _ = built
+    r = pub.publish(settings, tmp_path / "p", tables=["runs", "features"], formats=("ducklake",))
+    local = f"ATTACH 'ducklake:{r.catalog}' AS fh (READ_ONLY, DATA_PATH '{r.dest}/data/', OVERRIDE_DATA_PATH true)"
+    cols = read_plain(local, {"c": "SELECT column_name FROM duckdb_columns() WHERE database_name = 'fh' "
+                                   "AND table_name = 'runs'"})["c"]
+    names = {eval(c[0]) for c in cols}
+    assert names and not names & set(pub.PRIVATE_COLUMNS["runs"]), names
+    r2 = pub.publish(settings, tmp_path / "q", tables=["runs"], formats=("ducklake",), include_private=True)
+    cols = read_plain(f"ATTACH 'ducklake:{r2.catalog}' AS fh (READ_ONLY, DATA_PATH '{r2.dest}/data/', OVERRIDE_DATA_PATH true)",
+                      {"c": "SELECT column_name FROM duckdb_columns() WHERE database_name = 'fh' AND table_name = 'runs'"})["c"]
+    assert {"host", "pid"} <= {eval(c[0]) for c in cols}
+    # nothing of the landing area leaves
+    assert not list(r.dest.rglob("*sha256*"))
+
+
+def test_publish_refuses_the_warehouse_itself_and_unknown_tables(built):
+    root, settings, _ = built
+    for bad, why in ((settings.warehouse / "pub", "inside the warehouse"), (root, "holds it")):
+        p = subprocess.run([*FH, "publish", str(bad), "--warehouse", str(settings.warehouse)],
+                           capture_output=True, text=True)
+        assert p.returncode == 1 and why in p.stderr and "Traceback" not in p.stderr, p.stderr
+    p = subprocess.run([*FH, "publish", str(root / "x"), "--warehouse", str(settings.warehouse), "--tables", "featres"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "did you mean features" in p.stderr, p.stderr
+    assert not (root / "x").exists()
+
+
+def test_the_printed_line_attaches_as_pasted_and_over_s3(built, tmp_path):
+    """The CLI prints the ATTACH line; pasted into a plain DuckDB it opens the folder in place.
+    The same folder copied to S3 as `aws s3 sync` would (the catalog last) opens from there."""
+    root, settings, _ = built
+    dest = tmp_path / "cli"
+    p = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    line = next(x.strip() for x in p.stdout.splitlines() if x.strip().startswith("ATTACH"))
+    got = read_plain(line.rstrip(";"), {"n": "SELECT count(*) FROM fh.activations"})
+    assert got["n"] == [[repr(len(warehouse_rows(settings, "activations", _latest(settings))))]]
+
+    with moto_s3() as s3:
+        bucket = s3.bucket()
+        files = sorted((p for p in dest.rglob("*") if p.is_file() and not p.name.startswith(".")),
+                       key=lambda p: p.name == pub.CATALOG_FILE)
+        for f in files:
+            s3.client().upload_file(str(f), bucket, f"pub/{f.relative_to(dest)}")
+        secret = {"key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                  "endpoint": s3.endpoint.removeprefix("http://")}
+        got = read_plain(f"ATTACH 'ducklake:s3://{bucket}/pub/featurehouse.ducklake' AS fh "
+                         f"(READ_ONLY, DATA_PATH 's3://{bucket}/pub/data/', OVERRIDE_DATA_PATH true)",
+                         _all(["features", "activations"]), s3=secret)
+    snap = _latest(settings)
+    assert got["features"] == warehouse_rows(settings, "features", snap)
+    assert got["activations"] == warehouse_rows(settings, "activations", snap)
+
+
+def _latest(settings: Settings) -> int:
+    with wh.connect(settings, read_only=True) as conn:
+        return int(conn.execute("SELECT max(snapshot_id) FROM featurehouse.snapshots()").fetchone()[0])
+
+
+def test_a_publication_killed_part_way_leaves_the_previous_one_whole(built, tmp_path):
+    root, settings, _ = built
+    dest = tmp_path / "killed"
+    first = pub.publish(settings, dest, formats=("ducklake",))
+    want = warehouse_rows(settings, "activations", first.snapshot_id)
+    run_ingest([write(tmp_path / "more" / "77.json", orjson.dumps(good_page(77)))], settings)
+    # killed at several moments of a whole rewrite (--snapshot older than the published: no change feed)
+    for delay in (0.4, 0.9, 1.5):
+        proc = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format",
+                                 "ducklake", "--snapshot", str(first.snapshot_id - 1)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        local = f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
+        got = read_plain(local, {"a": "SELECT * FROM fh.activations ORDER BY ALL",
+                                 "p": "SELECT max(snapshot_id) FROM fh.publication"})
+        if got["p"] == [[repr(first.snapshot_id)]]:
+            assert got["a"] == want  # the kill came first: the previous publication, whole
+        else:  # it finished before the kill: the older snapshot, whole
+            assert got["a"] == warehouse_rows(settings, "activations", first.snapshot_id - 1)
+    # the next publication sweeps what the killed ones left, and is whole
+    last = pub.publish(settings, dest, formats=("ducklake",))
+    assert not [p for p in dest.iterdir() if p.name.startswith(".featurehouse-")]
+    local = f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
+    assert read_plain(local, {"a": "SELECT * FROM fh.activations ORDER BY ALL"})["a"] == \
+        warehouse_rows(settings, "activations", last.snapshot_id)
