@@ -331,3 +331,26 @@ def test_a_publication_killed_part_way_leaves_the_previous_one_whole(built, tmp_
     local = f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
     assert read_plain(local, {"a": "SELECT * FROM fh.activations ORDER BY ALL"})["a"] == \
         warehouse_rows(settings, "activations", last.snapshot_id)
+
+
+def test_the_readmes_share_it_lines_work_as_pasted(built):
+    """The README's lines, with HOST/PATH the test server's address: DuckDB's ATTACH in a process
+    without featurehouse, pandas' read_parquet over HTTP. (`datasets` is not installed here: its
+    line is the same files through the `parquet` builder.)"""
+    import re as _re
+
+    import pandas as pd
+
+    root, settings, server = built
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Share it", 1)[1].split("\n## ", 1)[0]
+    cmd = _re.search(r"`featurehouse publish (\S+) --url (\S+)`", section)
+    assert cmd and cmd.group(2) == "https://HOST/PATH"
+    base = f"{server.url}/share"
+    r = pub.publish(settings, root / "share", url=base)
+    attach = _re.search(r"^(ATTACH .*?);", section, _re.M).group(1).replace("https://HOST/PATH", base)
+    got = read_plain(attach, {"n": "SELECT count(*) FROM fh.features"})
+    assert got["n"] == [[repr(len(warehouse_rows(settings, "features", r.snapshot_id)))]]
+    line = _re.search(r"^pd\.read_parquet\('([^']+)'\)", section, _re.M).group(1).replace("https://HOST/PATH", base)
+    assert len(pd.read_parquet(line)) == len(warehouse_rows(settings, "features", r.snapshot_id))
+    assert "datasets.load_dataset('parquet', data_files='https://HOST/PATH/hf/features/*.parquet')" in section
