@@ -360,6 +360,64 @@ def case_source(r: Runner, features: int, active: int, excerpts: int, tokens: in
     return res
 
 
+#: The publish case's yardstick: DuckDB's COPY of the same tables, as of the same snapshot, to
+#: Parquet files (zstd), from the warehouse opened as any reader opens it.
+PUBLISH_FLOOR = """
+import os, sys
+from pipeline.lake import warehouse as w
+from pipeline.outputs.publish import DEFAULT_TABLES
+c = w.connect(sys.argv[1], read_only=True)
+os.makedirs(sys.argv[2], exist_ok=True)
+for t in DEFAULT_TABLES:
+    c.execute(f"COPY (SELECT * FROM {t}) TO '{sys.argv[2]}/{t}.parquet' (FORMAT parquet, COMPRESSION zstd)")
+"""
+
+
+def case_publish(r: Runner, wh: Path, pairs: int) -> dict:
+    """`featurehouse publish` of a whole source's warehouse (both layouts, into a new folder)
+    against DuckDB's COPY of its tables to Parquet; then one new page loaded and published into
+    the same folder: the bytes sent against the publication's data."""
+    dest, floor_dir = r.workdir / "published", r.workdir / "copied"
+
+    def ours() -> dict:
+        shutil.rmtree(dest, ignore_errors=True)
+        return _run_child([r.exe, "publish", str(dest), "--warehouse", str(wh), "--json"], env=r.env)
+
+    def floor() -> dict:
+        shutil.rmtree(floor_dir, ignore_errors=True)
+        return _run_child([sys.executable, "-c", PUBLISH_FLOOR, str(wh), str(floor_dir)], env=r.env)
+
+    p = _pairs(pairs, ours, floor)
+    total = _size(dest)
+    lake_total = _size(dest / "data") + (dest / "featurehouse.ducklake").stat().st_size
+    one = r.workdir / "publish-one-page"
+    shutil.rmtree(one, ignore_errors=True)
+    write_pages(1, one, start=900_000 + int(time.time()) % 10_000)
+    r.ingest(one, wh)
+    again = _run_child([r.exe, "publish", str(dest), "--warehouse", str(wh), "--json"], env=r.env)
+    sent = again["json"]["bytes_written"]
+    lake_sent = again["json"]["bytes_by_format"].get("ducklake", 0)
+    return {"case": "publish", "seconds": p["ours"]["seconds"], "cpu_seconds": p["ours"]["cpu_seconds"],
+            "floor_seconds": p["floor"]["seconds"], "floor_cpu_seconds": p["floor"]["cpu_seconds"],
+            "ratio": p["ratio"], "ratios": p["ratios"], "cpu_ratio": p["cpu_ratio"], "cpu_ratios": p["cpu_ratios"],
+            "published_mib": round(total / 2**20, 1), "copied_mib": round(_size(floor_dir) / 2**20, 1),
+            "peak_rss_mib": p["ours_peak_rss_mib"], "again_seconds": again["seconds"], "again_bytes": sent,
+            "again_fraction": round(sent / total, 4), "again_lake_bytes": lake_sent,
+            "again_lake_fraction": round(lake_sent / lake_total, 4)}
+
+
+def _publish_line(res: dict) -> str:
+    return (f"publish a whole source's warehouse, both layouts ({res['published_mib']} MiB)  {res['seconds']:.1f}s, "
+            f"{res['cpu_seconds']:.1f} CPU-s (peak RSS {res['peak_rss_mib']:.0f} MiB)  |  COPY of its tables to "
+            f"Parquet ({res['copied_mib']} MiB) {res['floor_seconds']:.1f}s, {res['floor_cpu_seconds']:.1f} CPU-s  |  "
+            f"wall ratio {res['ratio']:.2f} (pairs {res['ratios']}), CPU ratio {res['cpu_ratio']:.2f} "
+            f"(pairs {res['cpu_ratios']})  goal <= 2: {_met(max(res['ratio'], res['cpu_ratio']) <= 2)}\n"
+            f"        after one new page, published again in {res['again_seconds']:.1f}s: the DuckLake "
+            f"{res['again_lake_bytes']:,} bytes ({100 * res['again_lake_fraction']:.2f} % of it)  goal <= 1 %: "
+            f"{_met(res['again_lake_fraction'] <= 0.01)}; both layouts {res['again_bytes']:,} bytes "
+            f"({100 * res['again_fraction']:.2f} %: the hf layout rewrites each table that changed)")
+
+
 def _source_line(res: dict) -> str:
     worst = max(res["ratio"], res["cpu_ratio"])
     return (f"source  {res['features']} features ({res['active_features']} with {res['excerpts']} excerpts), files "
@@ -415,6 +473,8 @@ def _line(res: dict) -> str:
                 f"Great Expectations in the ingest) {res['data_docs_later_seconds']:.2f}s, "
                 f"{res['data_docs_later_cpu_seconds']:.2f} CPU-s  goal <= 2 s: {_met(res['data_docs_later_seconds'] <= 2)}"
                 + _stage_text(res))
+    if res["case"] == "publish":
+        return _publish_line(res)
     return (f"export  {res['gzip_mib']} MiB gzip, {res['expanded_mib']} MiB expanded, {res['rows']} rows  "
             f"ingest {res['ours_seconds']:.2f}s (peak RSS {res['ours_peak_rss_mib']:.0f} MiB, "
             f"{res['activations']} loaded, {res['quarantined']} quarantined)  |  read_json "
@@ -426,10 +486,11 @@ def _line(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="featurehouse ingest vs DuckDB read_json, five cases")
+    ap = argparse.ArgumentParser(description="featurehouse ingest vs DuckDB read_json, five cases; publish vs COPY")
     ap.add_argument("--n", type=int, action="append", help="pages of the full case (repeatable); default 250 and 1000")
-    ap.add_argument("--case", action="append", choices=["full", "rerun", "one", "export", "source"],
-                    help="cases to run (repeatable); default all. rerun and one use the largest N's warehouse")
+    ap.add_argument("--case", action="append", choices=["full", "rerun", "one", "export", "source", "publish"],
+                    help="cases to run (repeatable); default all. rerun and one use the largest N's warehouse; "
+                         "publish, the source case's (made by it when missing)")
     ap.add_argument("--export-gib", type=float, default=1.0, help="expanded size of the export batch")
     ap.add_argument("--workdir", type=Path, default=OUT)
     ap.add_argument("--tree", type=Path, default=None, help="run ours from this checkout (PYTHONPATH)")
@@ -444,7 +505,7 @@ def main() -> None:
     ap.add_argument("--source-tokens", type=int, default=128)
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    cases = a.case or ["full", "rerun", "one", "export", "source"]
+    cases = a.case or ["full", "rerun", "one", "export", "source", "publish"]
     generators = a.generator or ["a", "b"]
     ns = sorted(a.n or [250, 1000])
     r = Runner(a.workdir, a.tree)
@@ -472,6 +533,12 @@ def main() -> None:
         done(case_export(r, a.export_gib, a.pairs))
     if "source" in cases:
         done(case_source(r, a.source_features, a.source_active, a.source_excerpts, a.source_tokens, a.pairs))
+    if "publish" in cases:
+        wh = r.workdir / "wh-source"
+        if not (wh / "catalog.sqlite").exists():
+            src, _ = _source(r, a.source_features, a.source_active, a.source_excerpts, a.source_tokens)
+            r.ingest(src, wh)
+        done(case_publish(r, wh, a.pairs))
 
 
 if __name__ == "__main__":

@@ -555,6 +555,7 @@ def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, inclu
     if as_json:
         _print_json({"dest": str(r.dest), "snapshot_id": r.snapshot_id, "snapshot_time": r.snapshot_time.isoformat(),
                      "dry_run": r.dry_run, "formats": list(r.formats), "bytes_written": r.bytes_written,
+                     "bytes_by_format": r.bytes_by_format,
                      "files_written": r.files_written, "seconds": round(r.seconds, 2),
                      "tables": [vars(t) for t in r.tables], "open_with": r.lines()})
         return

@@ -354,3 +354,16 @@ def test_the_readmes_share_it_lines_work_as_pasted(built):
     line = _re.search(r"^pd\.read_parquet\('([^']+)'\)", section, _re.M).group(1).replace("https://HOST/PATH", base)
     assert len(pd.read_parquet(line)) == len(warehouse_rows(settings, "features", r.snapshot_id))
     assert "datasets.load_dataset('parquet', data_files='https://HOST/PATH/hf/features/*.parquet')" in section
+
+
+def test_a_publication_holds_the_tables_it_names_and_no_others(built, tmp_path):
+    root, settings, _ = built
+    dest = tmp_path / "narrow"
+    pub.publish(settings, dest)
+    r = pub.publish(settings, dest, tables=["features", "models"])
+    local = f"ATTACH 'ducklake:{r.catalog}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
+    got = read_plain(local, {"t": "SELECT table_name FROM duckdb_tables() WHERE database_name = 'fh' ORDER BY 1"})
+    assert [eval(t[0]) for t in got["t"]] == ["features", "models", "publication"]
+    assert sorted(p.name for p in (dest / "hf").iterdir() if p.is_dir()) == ["features", "models"]
+    assert read_plain(local, {"n": "SELECT count(*) FROM fh.features"})["n"] == \
+        [[repr(len(warehouse_rows(settings, "features", r.snapshot_id)))]]

@@ -105,6 +105,7 @@ class Published:
     tables: list[TableDone] = field(default_factory=list)
     bytes_written: int = 0
     files_written: int = 0
+    bytes_by_format: dict[str, int] = field(default_factory=dict)
     dry_run: bool = False
     url: str | None = None
     seconds: float = 0.0
@@ -401,6 +402,13 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
             out.tables.append(done)
             hows[table] = done.how
         if work is not None and not dry_run:
+            # a table an earlier publication held and this one does not name leaves the catalog
+            # (its files stay, for readers of the old catalog): the publication is what it lists
+            held = [r[0] for r in conn.execute(
+                f"SELECT table_name FROM duckdb_tables() WHERE database_name = '{PUB}' AND schema_name = 'main' "
+                "AND table_name <> 'publication'").fetchall()]
+            for gone in sorted(set(held) - set(tables)):
+                conn.execute(f"DROP TABLE {PUB}.main.{_ident(gone)}")
             counts = {d.table: d.rows for d in out.tables}
             conn.execute(f"""CREATE TABLE IF NOT EXISTS {PUB}.main.publication (
                 published_at TIMESTAMP, snapshot_id BIGINT, snapshot_time TIMESTAMP, warehouse_id VARCHAR,
@@ -436,6 +444,7 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
         new = {p: s for p, s in after.items() if p not in before}
         out.files_written += len(new) + 1
         out.bytes_written += sum(new.values()) + final.stat().st_size
+        out.bytes_by_format["ducklake"] = sum(new.values()) + final.stat().st_size
         return hows
     finally:
         with contextlib.suppress(duckdb.Error):
@@ -562,11 +571,15 @@ def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], 
         new = _files(tmp)
         out.files_written += len(new)
         out.bytes_written += sum(new.values())
+        out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + sum(new.values())
         old = hf / f".featurehouse-{os.getpid()}-{table}.old"
         if folder.exists():
             os.replace(folder, old)
         os.replace(tmp, folder)
         shutil.rmtree(old, ignore_errors=True)
+    for folder in hf.iterdir():  # a table an earlier publication held and this one does not name
+        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in tables:
+            shutil.rmtree(folder, ignore_errors=True)
     files = {t: sorted(p.name for p in (hf / t).glob("*.parquet")) for t in tables}
     card = _card(conn, tables, snap, snap_time, license, include_private, files)
     tmp_card = hf / f".featurehouse-{os.getpid()}-README.md"
@@ -574,6 +587,7 @@ def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], 
     os.replace(tmp_card, hf / "README.md")
     out.files_written += 1
     out.bytes_written += len(card.encode())
+    out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + len(card.encode())
 
 
 # --- the whole of it --------------------------------------------------------------------------------
