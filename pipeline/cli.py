@@ -515,7 +515,7 @@ def _at_time(ctx, param, value):
 
 
 @cli.command("publish")
-@click.argument("dest", type=click.Path(path_type=Path))
+@click.argument("dest")  # text: click's Path would make s3://b/x a local s3:/b/x
 @warehouse_option
 @click.option("--snapshot", type=click.IntRange(min=0), default=None, help="The warehouse snapshot to publish (default: the latest).")
 @click.option("--at", "at", default=None, callback=_at_time, metavar="TIME",

@@ -367,3 +367,73 @@ def test_a_publication_holds_the_tables_it_names_and_no_others(built, tmp_path):
     assert sorted(p.name for p in (dest / "hf").iterdir() if p.is_dir()) == ["features", "models"]
     assert read_plain(local, {"n": "SELECT count(*) FROM fh.features"})["n"] == \
         [[repr(len(warehouse_rows(settings, "features", r.snapshot_id)))]]
+
+
+def _hf_rows(dest: Path, table: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetDataset(sorted((dest / "hf" / table).glob("*.parquet"))).read().num_rows
+
+
+def test_hf_follows_the_snapshot_after_a_ducklake_only_publication(built, tmp_path):
+    """Found from outside: `--format ducklake` then `both` left hf/ at the older snapshot for good
+    (the DuckLake said 'unchanged', which says nothing of hf/)."""
+    root, settings, _ = built
+    dest = tmp_path / "mixed"
+    pub.publish(settings, dest)
+    run_ingest([write(tmp_path / "n" / "1.json", orjson.dumps(good_page(200_001)))], settings)
+    pub.publish(settings, dest, formats=("ducklake",))
+    r = pub.publish(settings, dest)
+    for t in ("features", "activations", "explanations"):
+        assert _hf_rows(dest, t) == len(warehouse_rows(settings, t, r.snapshot_id)), t
+
+
+def test_a_warehouse_restored_from_a_copy_is_published_whole(built, tmp_path):
+    """Found from outside: a restored warehouse numbers its snapshots again; the change feed from
+    'the same' snapshot id applied another timeline's rows."""
+    import shutil
+
+    root, settings, _ = built
+    copy = Settings(warehouse=tmp_path / "wh")
+    shutil.copytree(settings.warehouse, copy.warehouse)
+    backup = tmp_path / "backup"
+    shutil.copytree(copy.warehouse, backup)
+    live = good_page(5, source="5-res-jb")
+    live["explanations"][0]["description"] = "the live timeline"
+    run_ingest([write(tmp_path / "live" / "5.json", orjson.dumps(live))], copy)
+    dest = tmp_path / "timeline"
+    pub.publish(copy, dest, formats=("ducklake",))
+    shutil.rmtree(copy.warehouse)
+    shutil.copytree(backup, copy.warehouse)
+    restored = good_page(5, source="5-res-jb")
+    restored["explanations"][0]["description"] = "the restored timeline"
+    run_ingest([write(tmp_path / "restored" / "5.json", orjson.dumps(restored))], copy)
+    r = pub.publish(copy, dest, formats=("ducklake",))
+    assert {t.how for t in r.tables} == {"whole"}, [(t.table, t.how, t.why) for t in r.tables]
+    local = f"ATTACH 'ducklake:{r.catalog}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
+    got = read_plain(local, _all(["explanations", "features"]))
+    assert got["explanations"] == warehouse_rows(copy, "explanations", r.snapshot_id)
+
+
+def test_paths_and_unrelated_folders_stay_safe(built, tmp_path):
+    """Found from outside: run_inputs.origin and raw_inputs.landed_path leaked paths; a folder with
+    an hf/ of its own lost it; a link into the warehouse passed as outside it; s3:// became a
+    local folder."""
+    root, settings, _ = built
+    r = pub.publish(settings, tmp_path / "p", tables=["raw_inputs", "run_inputs"])
+    local = f"ATTACH 'ducklake:{r.catalog}' AS fh (READ_ONLY, DATA_PATH '{r.dest}/data/', OVERRIDE_DATA_PATH true)"
+    every = read_plain(local, _all(["raw_inputs", "run_inputs"]))
+    assert every["raw_inputs"] and every["run_inputs"]
+    assert str(tmp_path.parent) not in json.dumps(every) and "/tmp" not in json.dumps(every)
+    mine = tmp_path / "mine"
+    write(mine / "hf" / "my-model" / "weights.bin", b"precious")
+    p = subprocess.run([*FH, "publish", str(mine), "--warehouse", str(settings.warehouse)], capture_output=True, text=True)
+    assert p.returncode == 1 and "holds other files" in p.stderr and (mine / "hf" / "my-model" / "weights.bin").exists()
+    link = tmp_path / "link"
+    link.symlink_to(settings.warehouse)
+    p = subprocess.run([*FH, "publish", str(link / "pub"), "--warehouse", str(settings.warehouse)],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and "inside the warehouse" in p.stderr, p.stderr
+    p = subprocess.run([*FH, "publish", "s3://bucket/x", "--warehouse", str(settings.warehouse)],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 1 and "S3 directly is not built" in p.stderr and not (tmp_path / "s3:").exists()

@@ -66,7 +66,8 @@ DEFAULT_TABLES = ("models", "source_sets", "sources", "features", "activations",
 #: who ran a run (host, pid), errors that quote paths, and where reports were written.
 PRIVATE_COLUMNS = {
     "runs": ("host", "pid", "error", "report_path"),
-    "raw_inputs": ("origin", "reason"),
+    "raw_inputs": ("origin", "reason", "landed_path"),
+    "run_inputs": ("origin",),
     "fetch_failures": ("url", "last_error"),
 }
 
@@ -75,6 +76,8 @@ NEVER = ("schema_version",)
 
 CATALOG_FILE = "featurehouse.ducklake"
 LOCK_FILE = ".publish.lock"
+#: In ``hf/``: which warehouse snapshot each table's files hold (written after them).
+HF_MARK = ".published.json"
 PUB = "fh_publish"
 _KEY = ("model_id", "source_id", "feature_index")
 #: Rows per Parquet row group of the published files (DuckDB's writer flushes at multiples of its
@@ -109,24 +112,29 @@ class Published:
     dry_run: bool = False
     url: str | None = None
     seconds: float = 0.0
+    #: The snapshot the DuckLake held before, when its change feed was applied ("" otherwise)
+    base: str = ""
 
     @property
     def catalog(self) -> Path:
         return self.dest / CATALOG_FILE
 
     def lines(self) -> list[str]:
-        """The lines that open the publication, as a reader pastes them."""
+        """The lines that open the publication, as a reader pastes them (quotes doubled for SQL,
+        escaped for Python)."""
         out: list[str] = []
+        sql = lambda v: str(v).replace("'", "''")  # noqa: E731
+        py = lambda v: str(v).replace("\\", "\\\\").replace("'", "\\'")  # noqa: E731
         if "ducklake" in self.formats:
             if self.url:
                 out.append("-- DuckDB (INSTALL ducklake; INSTALL httpfs; once):")
-                out.append(f"ATTACH 'ducklake:{self.url}/{CATALOG_FILE}' AS fh (READ_ONLY);")
+                out.append(f"ATTACH 'ducklake:{sql(self.url)}/{CATALOG_FILE}' AS fh (READ_ONLY);")
             else:
                 out.append("-- DuckDB, this folder in place (served over HTTP: publish with --url):")
-                out.append(f"ATTACH 'ducklake:{self.catalog}' AS fh (READ_ONLY, DATA_PATH '{self.dest}/data/', "
+                out.append(f"ATTACH 'ducklake:{sql(self.catalog)}' AS fh (READ_ONLY, DATA_PATH '{sql(self.dest)}/data/', "
                            "OVERRIDE_DATA_PATH true);")
         if "hf" in self.formats:
-            base = f"{self.url}/hf" if self.url else str(self.dest / "hf")
+            base = py(f"{self.url}/hf" if self.url else self.dest / "hf")
             out.append("# pandas:")
             out.append(f"pd.read_parquet('{base}/features')" if not self.url else
                        f"pd.read_parquet('{base}/features/data_0.parquet')")
@@ -147,26 +155,26 @@ def _inside(child: Path, parent: Path) -> bool:
 
 
 def _check_dest(settings: Settings, dest: Path) -> Path:
-    if str(dest).startswith("s3://"):
+    if str(dest).startswith(("s3://", "s3:/")):
         raise PublishRefused(
             f"{dest}: publishing to S3 directly is not built yet; publish to a folder and copy it up "
             "(`aws s3 sync DEST s3://bucket/prefix`: the catalog file last)")
-    dest = Path(os.path.abspath(dest))
+    dest = Path(os.path.realpath(dest))  # a link into the warehouse is inside it
     places = [("the warehouse", settings.warehouse), ("its data path", settings.data_url),
               ("the landing area", settings.landing_url)]
     for name, where in places:
         if str(where).startswith("s3://"):
             continue
-        place = Path(os.path.abspath(where))
+        place = Path(os.path.realpath(where))
         if _inside(dest, place) or _inside(place, dest):
             raise PublishRefused(f"{dest} is inside {name} ({place}) or holds it: publish to a folder of its own")
     if dest.exists() and not dest.is_dir():
         raise PublishRefused(f"{dest} is a file, not a folder")
     if dest.is_dir():
-        known = {CATALOG_FILE, "data", "hf", LOCK_FILE}
-        other = [p.name for p in dest.iterdir() if p.name not in known and not p.name.startswith(".featurehouse-")]
-        if other and not (dest / CATALOG_FILE).exists() and not (dest / "hf").exists():
-            raise PublishRefused(f"{dest} holds other files ({', '.join(sorted(other)[:3])}): publish into an "
+        made = (dest / CATALOG_FILE).is_file() or (dest / "hf" / HF_MARK).is_file()
+        if any(dest.iterdir()) and not made:
+            other = sorted(p.name for p in dest.iterdir())
+            raise PublishRefused(f"{dest} holds other files ({', '.join(other[:3])}): publish into an "
                                  "empty folder or one a publication made")
     return dest
 
@@ -248,7 +256,10 @@ def _tables(conn: duckdb.DuckDBPyConnection, snap: int, tables: list[str] | None
     have = {r[0] for r in conn.execute(
         f"SELECT table_name FROM duckdb_tables() WHERE database_name = '{CATALOG}' AND schema_name = 'main'").fetchall()}
     want = list(tables) if tables else list(DEFAULT_TABLES)
-    unknown = [t for t in want if t not in have or t in NEVER]
+    never = [t for t in want if t in NEVER]
+    if never:
+        raise PublishRefused(f"{', '.join(never)}: the schema's own bookkeeping, never published")
+    unknown = [t for t in want if t not in have]
     if unknown:
         import difflib
 
@@ -262,7 +273,8 @@ def _tables(conn: duckdb.DuckDBPyConnection, snap: int, tables: list[str] | None
 
 def _previous(conn: duckdb.DuckDBPyConnection) -> dict[str, Any] | None:
     with contextlib.suppress(duckdb.CatalogException):
-        row = conn.execute(f"SELECT * FROM {PUB}.main.publication ORDER BY published_at DESC LIMIT 1").fetchone()
+        # the last row written (rows are only appended, one file each: the largest row id)
+        row = conn.execute(f"SELECT * FROM {PUB}.main.publication ORDER BY rowid DESC LIMIT 1").fetchone()
         if row is None:
             return None
         cols = [d[0] for d in conn.description]
@@ -281,7 +293,21 @@ def _change_feed_covers(conn: duckdb.DuckDBPyConnection, prev: dict[str, Any] | 
     (first,) = conn.execute(f"SELECT min(snapshot_id) FROM {CATALOG}.snapshots()").fetchone()
     if int(first) > int(prev["snapshot_id"]):
         return f"the warehouse no longer keeps snapshot {prev['snapshot_id']} (expired by maintain)"
+    # a warehouse restored from a copy numbers its snapshots again: the same id, another time
+    row = conn.execute(f"SELECT snapshot_time FROM {CATALOG}.snapshots() WHERE snapshot_id = $s",
+                       {"s": int(prev["snapshot_id"])}).fetchone()
+    if row is None or _utc_naive(row[0]) != _utc_naive(prev["snapshot_time"]):
+        return f"the warehouse's snapshot {prev['snapshot_id']} is not the one published (restored from a copy?)"
     return ""
+
+
+def _stamp(wid: str, snap: int, snap_time: datetime) -> str:
+    """Which warehouse snapshot a table's files hold, as ``hf/.published.json`` records it."""
+    return f"{wid}|{snap}|{_utc_naive(snap_time).isoformat()}"
+
+
+def _utc_naive(t: datetime) -> datetime:
+    return t.astimezone(timezone.utc).replace(tzinfo=None) if t.tzinfo else t
 
 
 def _same_columns(conn: duckdb.DuckDBPyConnection, table: str, cols: list[tuple[str, str]]) -> bool:
@@ -386,6 +412,8 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
         else:
             prev = None
         why_not = _change_feed_covers(conn, prev, snap, wid)
+        if not why_not:
+            out.base = _stamp(wid, int(prev["snapshot_id"]), prev["snapshot_time"])
         hows: dict[str, str] = {}
         if work is not None and not dry_run:
             conn.execute("BEGIN")
@@ -415,8 +443,9 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
                 tables VARCHAR[], row_counts JSON, featurehouse_version VARCHAR)""")
             from .. import __version__
 
-            conn.execute(f"INSERT INTO {PUB}.main.publication VALUES (now()::TIMESTAMP, $s, $t, $w, $tb, $c, $v)",
-                         {"s": snap, "t": snap_time.replace(tzinfo=None), "w": wid, "tb": tables,
+            conn.execute(f"INSERT INTO {PUB}.main.publication VALUES ($now, $s, $t, $w, $tb, $c, $v)",
+                         {"now": datetime.now(timezone.utc).replace(tzinfo=None), "s": snap,
+                          "t": _utc_naive(snap_time), "w": wid, "tb": tables,
                           "c": json.dumps(counts), "v": __version__})
             conn.execute("COMMIT")
         if work is not None:
@@ -553,9 +582,25 @@ def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], 
                 include_private: bool, license: str | None, changed: dict[str, str], out: Published) -> None:
     hf = dest / "hf"
     hf.mkdir(parents=True, exist_ok=True)
+    mark_path = hf / HF_MARK
+    try:
+        held: dict[str, str] = dict(json.loads(mark_path.read_text(encoding="utf-8")).get("tables", {}))
+    except (OSError, ValueError, AttributeError, TypeError):
+        held = {}
+    here = _stamp(_warehouse_id(conn), snap, snap_time)
+
+    def mark() -> None:  # after each table: a publication killed part-way leaves a true record
+        tmp_mark = hf / f".featurehouse-{os.getpid()}-mark"
+        tmp_mark.write_text(json.dumps({"tables": held}, indent=1), encoding="utf-8")
+        os.replace(tmp_mark, mark_path)
+
     for table in tables:
         folder = hf / table
-        if changed.get(table) == "unchanged" and folder.is_dir():
+        # kept only when its files hold this snapshot, or the one the DuckLake held before and the
+        # table did not change since (what `ducklake` just found in the change feed)
+        if folder.is_dir() and (held.get(table) == here or (
+                out.base and held.get(table) == out.base and changed.get(table) == "unchanged")):
+            held[table] = here
             continue
         names = [c for c, _ in _columns(conn, table, snap, include_private)]
         sel = ", ".join(_ident(c) for c in names)
@@ -577,9 +622,12 @@ def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], 
             os.replace(folder, old)
         os.replace(tmp, folder)
         shutil.rmtree(old, ignore_errors=True)
-    for folder in hf.iterdir():  # a table an earlier publication held and this one does not name
-        if folder.is_dir() and not folder.name.startswith(".") and folder.name not in tables:
-            shutil.rmtree(folder, ignore_errors=True)
+        held[table] = here
+        mark()
+    for gone in sorted(set(held) - set(tables)):  # a table an earlier publication wrote and this one does not name
+        shutil.rmtree(hf / gone, ignore_errors=True)
+        del held[gone]
+    mark()
     files = {t: sorted(p.name for p in (hf / t).glob("*.parquet")) for t in tables}
     card = _card(conn, tables, snap, snap_time, license, include_private, files)
     tmp_card = hf / f".featurehouse-{os.getpid()}-README.md"
