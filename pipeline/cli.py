@@ -572,6 +572,38 @@ def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, inclu
             click.echo(f"  {line}")
 
 
+@cli.command("serve")
+@warehouse_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (loopback by default: the app has no login).")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on.")
+def serve_cmd(warehouse, host, port) -> None:
+    """Browse the warehouse in a web browser: search, features, sources, runs, SQL (read-only).
+
+    Every view is a URL; nothing is written. Builds the find index first when there is none."""
+    import uvicorn
+
+    from .outputs import find, web
+
+    settings = Settings.from_env(warehouse=warehouse)
+    try:
+        warehouse_mod.connect(settings, read_only=True).close()
+        try:
+            find.Finder(settings).close()
+        except find.FindIndexMissing:
+            click.echo("building the find index (search, similar, by-token) ...", err=True)
+            find.build_index(settings)
+        app = web.make_app(settings)
+    except (*_USER_ERRORS, find.FindIndexUnwritable) as exc:
+        raise click.ClickException(str(exc)) from None
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        click.echo(f"warning: listening on {host}: anyone who can reach this machine on port {port} can read the "
+                   "whole warehouse (there is no login)", err=True)
+    click.echo(f"featurehouse: http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/ (Ctrl-C stops it)",
+               err=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
 @cli.command("materialise")
 @warehouse_option
 @click.option("--run-id", default=None, help="Refresh only the features this run changed (default: all).")

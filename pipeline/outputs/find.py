@@ -1151,15 +1151,17 @@ class FeatureView:
 
 
 def show(where: Settings | str | os.PathLike, key: str, *, n_excerpts: int = 5, n_neighbours: int = 5,
-         context: int = 12) -> FeatureView:
+         context: int = 12, lake: duckdb.DuckDBPyConnection | None = None, finder: Finder | None = None) -> FeatureView:
     """A feature as a person reads it: its statistics per data source, its explanations, its
     top excerpts (``context`` tokens each side of the peak) and its nearest neighbours (from
-    the find index, when there is one)."""
+    the find index, when there is one). ``lake`` and ``finder``: a read-only connection and a
+    Finder to use instead of opening them (a long-lived caller: the web app)."""
     settings = warehouse_mod.settings_for(where)
     model, source, index = parse_key(key)
     k = [model, source, index]
     cond = "model_id = ? AND source_id = ? AND feature_index = ?"
-    with warehouse_mod.connect(settings, read_only=True) as lake:
+    own = lake is None
+    with (warehouse_mod.connect(settings, read_only=True) if own else contextlib.nullcontext(lake)) as lake:
         def dicts(sql: str, params: list) -> list[dict[str, Any]]:
             cur = lake.execute(sql, params)
             cols = [d[0] for d in cur.description]
@@ -1187,7 +1189,7 @@ def show(where: Settings | str | os.PathLike, key: str, *, n_excerpts: int = 5, 
         e["peak"] = (e["max_value_token_index"] - e["start"]) if e["max_value_token_index"] is not None else None
     view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts)
     try:
-        with Finder(settings) as finder:
+        with (Finder(settings) if finder is None else contextlib.nullcontext(finder)) as finder:
             view.neighbours = (finder.similar(view.key, limit=n_neighbours) if n_neighbours else
                                Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
                                      [], finder.note))

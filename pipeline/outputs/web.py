@@ -1,0 +1,412 @@
+"""``featurehouse serve``: a read-only web app over the warehouse, for people who would rather
+look than read tables.
+
+Every view is a URL: ``/`` and ``/search?q=`` (explanations, BM25 from the find index),
+``/by-token?t=``, ``/f/MODEL/SOURCE/INDEX`` (a feature: statistics per data source,
+explanations, top excerpts shaded by activation with each token's value, the nearest features as
+links, its history), ``/s/MODEL/SOURCE`` (a source: counts, its features as a sortable, paged
+table), ``/runs`` (``status`` as a page, each run's report, its quarantine) and ``/sql`` (the
+``featurehouse sql`` allow-list; CSV and JSON downloads).
+
+Nothing is written: the lake is read through read-only connections, each answer from one
+snapshot (shown at the foot of each page); the find index is opened once and followed as ingests
+refresh it. A query typed into ``/sql`` runs in a ``featurehouse sql`` child process, which is
+confined and sandboxed as the command is (a long-lived server cannot confine itself and go on
+reading the find index). Every text from the warehouse is escaped by Jinja2's autoescape, and
+no asset comes from outside: the CSS and the few lines of script are in the pages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import duckdb
+
+from ..config import Settings
+from ..lake import warehouse as warehouse_mod
+from . import find
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_app", "visible_token", "SORTS"]
+
+_TEMPLATES = Path(__file__).resolve().parent / "templates" / "web"
+PAGE = 50
+#: The columns a source's feature table sorts by (?sort=), each with its SQL.
+SORTS = {"index": "feature_index", "max": "max_act_approx DESC NULLS LAST, feature_index",
+         "density": "frac_nonzero DESC NULLS LAST, feature_index",
+         "quarantined": "n_quarantined DESC, feature_index"}
+
+
+def visible_token(token: str | None) -> str:
+    """A token as a person can tell it apart: leading and trailing spaces as ␣, newlines as ↵,
+    tabs as ⇥ (" CPU" and "CPU" differ)."""
+    if token is None:
+        return ""
+    t = token.replace("\n", "↵").replace("\t", "⇥")
+    core = t.strip(" ")
+    lead, trail = len(t) - len(t.lstrip(" ")), len(t) - len(t.rstrip(" "))
+    if not core:
+        return "␣" * len(t)
+    return "␣" * lead + core + "␣" * trail
+
+
+def _round(v: Any, digits: int = 3) -> str:
+    """A number for people: 3 significant digits, no 3.347874052815106e-05."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, int):
+        return f"{v:,}"
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    if v == 0:
+        return "0"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
+
+
+class _State:
+    """What the app keeps between requests: the settings and one find index (DuckDB
+    connections are not for two threads at once: a lock)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.lock = threading.Lock()
+        self.finder: find.Finder | None = None
+        self.finder_error: str | None = None
+
+    def with_finder(self, fn):
+        with self.lock:
+            if self.finder is None:
+                try:
+                    self.finder = find.Finder(self.settings)
+                    self.finder_error = None
+                except (find.FindIndexMissing, PermissionError) as exc:
+                    self.finder_error = str(exc)
+                    return None
+            return fn(self.finder)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.finder is not None:
+                self.finder.close()
+                self.finder = None
+
+
+_LOCAL = threading.local()
+
+
+class _Kept:
+    """A read-only connection kept by the thread that opened it (opening one costs ~0.1 s; each
+    statement still reads the latest committed snapshot). ``close`` is a no-op: it stays open."""
+
+    def __init__(self, conn: duckdb.DuckDBPyConnection):
+        self.conn = conn
+
+    def __getattr__(self, name: str):
+        return getattr(self.conn, name)
+
+    def close(self) -> None:
+        pass
+
+
+def _lake(settings: Settings) -> _Kept:
+    kept = getattr(_LOCAL, "lakes", None)
+    if kept is None:
+        kept = _LOCAL.lakes = {}
+    key = str(settings.warehouse)
+    if key not in kept:
+        kept[key] = _Kept(warehouse_mod.connect(settings, read_only=True, threads=1))
+    return kept[key]
+
+
+def _rows(conn: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
+    cur = conn.execute(sql, params or [])
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+
+def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    sid, t = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
+                          "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
+    return {"id": sid, "time": t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else ""}
+
+
+def make_app(where: Settings | str | os.PathLike):
+    """The Starlette application over the warehouse at ``where``."""
+    import jinja2
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.routing import Mount, Route
+    from starlette.staticfiles import StaticFiles
+
+    settings = warehouse_mod.settings_for(where)
+    if not warehouse_mod.exists(settings):
+        raise warehouse_mod.WarehouseMissing(f"no warehouse at {settings.warehouse}: run `featurehouse ingest` first")
+    state = _State(settings)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), autoescape=True,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters["tok"] = visible_token
+    env.filters["num"] = _round
+    env.filters["q"] = lambda s: quote(str(s), safe="")
+
+    def page(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        t0 = ctx.pop("_t0", None)
+        snap = _snapshot(_lake(settings).conn)
+        body = env.get_template(name).render(snapshot=snap, **ctx)
+        headers = {"Server-Timing": f"app;dur={1000 * (time.perf_counter() - t0):.1f}"} if t0 else {}
+        return HTMLResponse(body, status_code=status, headers=headers)
+
+    def found(fn) -> tuple[list[dict[str, Any]], str | None]:
+        out = state.with_finder(fn)
+        if out is None:
+            return [], state.finder_error
+        return out.as_dicts(), out.note
+
+    def home(request: Request):
+        t0 = time.perf_counter()
+        q = (request.query_params.get("q") or "").strip()
+        model = request.query_params.get("model") or None
+        source = request.query_params.get("source") or None
+        results, note = [], None
+        if q:
+            try:
+                results, note = found(lambda f: f.search(q, model=model, source=source, limit=50))
+            except (ValueError, duckdb.Error) as exc:
+                note = f"the query could not be read: {exc}"
+        with contextlib.closing(_lake(settings)) as conn:
+            sources = _rows(conn, "SELECT model_id, source_id, count(*) AS n FROM features GROUP BY ALL ORDER BY 1, 2")
+            _with_excerpts(conn, results)
+        return page("search.html.j2", q=q, model=model, source=source, results=results, note=note,
+                    sources=sources, _t0=t0)
+
+    def _with_excerpts(conn, results: list[dict[str, Any]]) -> None:
+        """Each result's strongest excerpt, a few tokens each side of its peak (one query)."""
+        if not results:
+            return
+        keys = [[r["model_id"], r["source_id"], int(r["feature_index"])] for r in results]
+        rows = conn.execute("""
+            SELECT a.model_id, a.source_id, a.feature_index, a.max_value,
+                   greatest(a.max_value_token_index - 6, 0) AS start, a.max_value_token_index AS at,
+                   a.tokens[greatest(a.max_value_token_index - 6, 0) + 1 : a.max_value_token_index + 7] AS tokens,
+                   a."values"[greatest(a.max_value_token_index - 6, 0) + 1 : a.max_value_token_index + 7] AS "values"
+            FROM activations a JOIN (SELECT unnest($m) AS m, unnest($s) AS s, unnest($i) AS i) k
+              ON a.model_id = k.m AND a.source_id = k.s AND a.feature_index = k.i
+            QUALIFY row_number() OVER (PARTITION BY a.model_id, a.source_id, a.feature_index
+                                       ORDER BY a.max_value DESC NULLS LAST, a.activation_id) = 1""",
+                            {"m": [k[0] for k in keys], "s": [k[1] for k in keys],
+                             "i": [k[2] for k in keys]}).fetchall()
+        best = {(m, s, i): {"max_value": mx, "peak": (at - st) if at is not None else None, "tokens": toks,
+                            "values": vals} for m, s, i, mx, st, at, toks, vals in rows}
+        for r in results:
+            r["excerpt"] = best.get((r["model_id"], r["source_id"], int(r["feature_index"])))
+
+    def by_token(request: Request):
+        t0 = time.perf_counter()
+        t = request.query_params.get("t") or ""
+        results, note = [], None
+        if t:
+            results, note = found(lambda f: f.by_token(t, ignore_case="i" in request.query_params, limit=50))
+            _with_excerpts(_lake(settings).conn, results)
+        return page("by_token.html.j2", t=t, results=results, note=note, _t0=t0)
+
+    def feature(request: Request):
+        t0 = time.perf_counter()
+        p = request.path_params
+        key = f"{p['model']}/{p['source']}/{p['index']}"
+        args = [p["model"], p["source"], int(p["index"])]
+        lake = _lake(settings).conn
+        try:
+            with state.lock, warehouse_mod.one_snapshot(lake):  # one snapshot for every part of the page
+                if state.finder is None:
+                    with contextlib.suppress(find.FindIndexMissing, PermissionError):
+                        state.finder = find.Finder(settings)
+                view = find.show(settings, key, n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder)
+                captures = _rows(lake, "SELECT table_name, captured_at, run_id FROM feature_captures WHERE model_id = ? "
+                                       "AND source_id = ? AND feature_index = ? ORDER BY table_name", args)
+                hist = _rows(lake, """SELECT least(9, floor(max_value * 10 / m))::INT AS bin, count(*) AS n
+                                      FROM activations, (SELECT max(max_value) AS m FROM activations WHERE model_id = $1
+                                           AND source_id = $2 AND feature_index = $3) mx
+                                      WHERE model_id = $1 AND source_id = $2 AND feature_index = $3 AND m > 0
+                                        AND max_value IS NOT NULL GROUP BY ALL ORDER BY 1""", args)
+        except (find.NoSuchFeature, ValueError) as exc:
+            return page("error.html.j2", status=404, message=str(exc), _t0=t0)
+        top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
+        bins = [0] * 10
+        for h in hist:
+            if h["bin"] is not None:
+                bins[max(0, h["bin"])] += h["n"]
+        return page("feature.html.j2", view=view, key=key, model=p["model"], source=p["source"], index=p["index"],
+                    top=top, captures=captures, bins=bins, _t0=t0)
+
+    def feature_history(request: Request):
+        t0 = time.perf_counter()
+        p = request.path_params
+        from ..lake.history import FeatureKey
+        from ..lake.history import feature_history as versions_of
+
+        key = f"{p['model']}/{p['source']}/{p['index']}"
+        with state.lock:
+            versions = versions_of(_lake(settings).conn, FeatureKey(p["model"], p["source"], int(p["index"])))
+        if not versions:
+            return page("error.html.j2", status=404, message=f"no version of {key} in the snapshots the warehouse keeps",
+                        _t0=t0)
+        return page("history.html.j2", key=key, model=p["model"], source=p["source"], index=p["index"],
+                    versions=versions, _t0=t0)
+
+    def source_page(request: Request):
+        t0 = time.perf_counter()
+        p = request.path_params
+        sort = request.query_params.get("sort", "index")
+        order = SORTS.get(sort, SORTS["index"])
+        try:
+            pageno = max(1, int(request.query_params.get("page", "1")))
+        except ValueError:
+            pageno = 1
+        with contextlib.closing(_lake(settings)) as conn:
+            args = [p["model"], p["source"]]
+            n = conn.execute("SELECT count(*) FROM features WHERE model_id = ? AND source_id = ?", args).fetchone()[0]
+            if not n:
+                return page("error.html.j2", status=404, message=f"no source {p['model']}/{p['source']} in the warehouse",
+                            _t0=t0)
+            stats = _rows(conn, "SELECT * EXCLUDE (model_id, source_id, refreshed_at) FROM source_activation_stats "
+                                "WHERE model_id = ? AND source_id = ? ORDER BY data_source NULLS LAST", args)
+            counts = _rows(conn, """SELECT (SELECT count(*) FROM activations WHERE model_id = $1 AND source_id = $2) AS activations,
+                                           (SELECT count(*) FROM explanations WHERE model_id = $1 AND source_id = $2) AS explanations""",
+                           args)[0]
+            dist = _rows(conn, """SELECT width_bucket AS bin, count(*) AS n FROM (
+                                      SELECT least(9, floor(max_act_approx * 10 / nullif(m, 0)))::INT AS width_bucket
+                                      FROM features, (SELECT max(max_act_approx) AS m FROM features
+                                                      WHERE model_id = $1 AND source_id = $2) mx
+                                      WHERE model_id = $1 AND source_id = $2 AND max_act_approx IS NOT NULL)
+                                  GROUP BY 1 ORDER BY 1""", args)
+            top_max = conn.execute("SELECT max(max_act_approx) FROM features WHERE model_id = ? AND source_id = ?",
+                                   args).fetchone()[0]
+            rows = _rows(conn, f"""
+                WITH q AS (SELECT json_extract_string(record_json, '$.index') AS idx, count(*) AS n FROM quarantine
+                           WHERE json_extract_string(record_json, '$.modelId') = $1
+                             AND json_extract_string(record_json, '$.layer') = $2 GROUP BY 1)
+                SELECT f.feature_index, f.max_act_approx, f.frac_nonzero, coalesce(q.n, 0) AS n_quarantined,
+                       (SELECT first(e.description ORDER BY e.explanation_id) FROM explanations e WHERE e.model_id = $1
+                        AND e.source_id = $2 AND e.feature_index = f.feature_index) AS description
+                FROM features f LEFT JOIN q ON q.idx = f.feature_index::VARCHAR
+                WHERE f.model_id = $1 AND f.source_id = $2 ORDER BY {order} LIMIT {PAGE} OFFSET {(pageno - 1) * PAGE}""",
+                         args)
+        bins = [0] * 10
+        for d in dist:
+            if d["bin"] is not None:
+                bins[max(0, min(9, int(d["bin"])))] += d["n"]
+        return page("source.html.j2", model=p["model"], source=p["source"], n=n, stats=stats, counts=counts,
+                    rows=rows, sort=sort, sorts=list(SORTS), pageno=pageno, pages=max(1, math.ceil(n / PAGE)),
+                    bins=bins, top_max=top_max, _t0=t0)
+
+    def runs(request: Request):
+        t0 = time.perf_counter()
+        from .report import recent_runs
+
+        with contextlib.closing(_lake(settings)) as conn:
+            rs = recent_runs(conn, 200)
+        for r in rs:
+            rp = r.get("report_path")
+            r["report_url"] = None
+            if rp:
+                with contextlib.suppress(ValueError):
+                    r["report_url"] = "/reports/" + Path(rp).resolve().relative_to(Path(settings.report_dir).resolve()).as_posix()
+        return page("runs.html.j2", runs=rs, _t0=t0)
+
+    def quarantine(request: Request):
+        t0 = time.perf_counter()
+        run_id = request.path_params["run_id"]
+        with contextlib.closing(_lake(settings)) as conn:
+            rows = _rows(conn, "SELECT record_kind, record_key, check_name, detail, left(record_json::VARCHAR, 2000) AS record "
+                               "FROM quarantine WHERE run_id = ? ORDER BY record_key, check_name LIMIT 1000", [run_id])
+        return page("quarantine.html.j2", run_id=run_id, rows=rows, _t0=t0)
+
+    def _sql_child(q: str, fmt: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "sql", q, "--warehouse", str(settings.warehouse),
+                                 "--format", fmt], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+
+    def sql(request: Request):
+        t0 = time.perf_counter()
+        q = (request.query_params.get("q") or "").strip()
+        cols, rows, error, more = [], [], None, False
+        if q:
+            proc = _sql_child(q, "json")
+            try:
+                out, err = proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+                error = "the query took more than 120 s: stopped"
+            if error is None and proc.returncode != 0:
+                error = err.decode("utf-8", "replace").strip().removeprefix("Error: ") or f"exit {proc.returncode}"
+            elif error is None:
+                data = json.loads(out or b"[]")
+                if data:
+                    cols = list(data[0])
+                    more = len(data) > 500
+                    rows = [[r[c] for c in cols] for r in data[:500]]
+        return page("sql.html.j2", q=q, cols=cols, rows=rows, error=error, more=more, _t0=t0)
+
+    def sql_download(request: Request):
+        q = (request.query_params.get("q") or "").strip()
+        fmt = request.path_params["fmt"]
+        if not q or fmt not in ("csv", "json"):
+            return PlainTextResponse("a query (?q=) and a format (csv or json)", status_code=400)
+        proc = _sql_child(q, fmt)
+        first = proc.stdout.read(1 << 16)
+        if not first:
+            err = proc.stderr.read().decode("utf-8", "replace").strip()
+            proc.wait()
+            if proc.returncode != 0:
+                return PlainTextResponse(err.removeprefix("Error: ") + "\n", status_code=400)
+
+        def stream():
+            try:
+                yield first
+                while chunk := proc.stdout.read(1 << 16):
+                    yield chunk
+            finally:
+                proc.kill()
+                proc.wait()
+
+        return StreamingResponse(stream(), media_type="text/csv" if fmt == "csv" else "application/json",
+                                 headers={"Content-Disposition": f'attachment; filename="featurehouse.{fmt}"'})
+
+    def not_found(request: Request, exc: Exception) -> Response:
+        return page("error.html.j2", status=404, message=f"nothing at {request.url.path}")
+
+    routes = [
+        Route("/", home), Route("/search", home), Route("/by-token", by_token),
+        Route("/f/{model}/{source}/{index:int}", feature), Route("/f/{model}/{source}/{index:int}/history", feature_history),
+        Route("/s/{model}/{source}", source_page),
+        Route("/runs", runs), Route("/runs/{run_id}/quarantine", quarantine),
+        Route("/sql", sql), Route("/sql.{fmt}", sql_download),
+    ]
+    report_dir = Path(settings.report_dir)
+    if report_dir.is_dir():
+        routes.append(Mount("/reports", app=StaticFiles(directory=str(report_dir)), name="reports"))
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        state.close()
+
+    app = Starlette(routes=routes, exception_handlers={404: not_found}, lifespan=lifespan)
+    app.state.featurehouse = state
+    return app

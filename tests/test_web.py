@@ -1,0 +1,199 @@
+"""featurehouse serve, driven in a real browser: Playwright drives the system's Chromium (apt's,
+as `.ci/run` installs it) against `featurehouse serve` running as its own process on loopback.
+
+Search, open a feature, follow a nearest-feature link, read a token's activation, run a SQL
+query and download it, and a hostile page whose text would run script if it were not escaped.
+Screenshots of each view go to build/screenshots/ (kept as the run's artefacts)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from pipeline.config import Settings
+from tests.conftest import good_page, query, run_ingest, write
+
+pytestmark = pytest.mark.xdist_group("web")
+ROOT = Path(__file__).resolve().parent.parent
+SHOTS = ROOT / "build" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+HOSTILE = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("web")
+    settings = Settings(warehouse=root / "wh")
+    pages = [write(root / "in" / f"{i}.json", orjson.dumps(good_page(i))) for i in (1, 2, 3)]
+    hostile = good_page(4)
+    hostile["explanations"][0]["description"] = f"cpu {HOSTILE}"
+    hostile["activations"][0]["tokens"][1] = HOSTILE
+    pages.append(write(root / "in" / "4.json", orjson.dumps(hostile)))
+    run_ingest(sorted((ROOT / "samples").iterdir()) + pages, settings)
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "index", "--warehouse", str(settings.warehouse)],
+                   check=True, capture_output=True)
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"serve did not start: {proc.communicate()[1].decode()[-2000:]}") from None
+            time.sleep(0.1)
+    yield settings, f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: .ci/run installs it (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    pg = ctx.new_page()
+    dialogs: list[str] = []
+    pg.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    pg.dialogs = dialogs
+    yield pg
+    ctx.close()
+
+
+def shot(page, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+
+
+def test_search_open_a_feature_and_follow_a_similar_link(served, page):
+    settings, base = served
+    page.goto(base + "/")
+    shot(page, "home")
+    page.keyboard.press("/")  # focuses the search box
+    assert page.evaluate("document.activeElement.id") == "q"
+    page.keyboard.type("cpu")
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/search?q=cpu")
+    results = page.locator("ol.results li[data-nav]")
+    assert results.count() >= 4
+    shot(page, "search")
+    page.keyboard.press("j")
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/f/**")
+    assert page.locator("h1").inner_text().startswith("Feature ")
+    tokens = page.locator(".excerpt .tok[data-activation]")
+    assert tokens.count() > 0
+    # each shaded token carries its value: in its data attribute and its tooltip, and the peak is outlined
+    first_peak = page.locator(".excerpt .tok.peak").first
+    value = float(first_peak.get_attribute("data-activation"))
+    assert value > 0 and first_peak.get_attribute("title") == f"{value:.3g}"
+    assert "rgba(255, 120, 0" in first_peak.get_attribute("style")
+    shot(page, "feature")
+    # a feature with neighbours (the small pages share their top tokens), opened from the results
+    page.go_back()
+    page.click('ol.results a[href="/f/gpt-oss-20b/11-resid-post-aa/1"]')
+    page.wait_for_url("**/f/gpt-oss-20b/11-resid-post-aa/1")
+    here = page.url
+    link = page.locator("table.neighbours a").first
+    target = link.get_attribute("href")
+    link.click()
+    page.wait_for_url("**" + target)
+    assert page.url != here and page.locator("h1").inner_text().startswith("Feature ")
+    page.goto(page.url + "/history")
+    assert "Versions of" in page.locator("h1").inner_text()
+
+
+def test_the_samples_feature_shows_leading_spaces_and_its_source(served, page):
+    settings, base = served
+    page.goto(base + "/f/gpt-oss-20b/11-resid-post-aa/45698")
+    text = page.locator(".excerpt").first.inner_text()
+    assert "␣" in text  # tokens with a leading space are told apart
+    page.locator("a", has_text="gpt-oss-20b/11-resid-post-aa").first.click()
+    page.wait_for_url("**/s/gpt-oss-20b/11-resid-post-aa")
+    assert page.locator("table.features tr[data-nav]").count() >= 1
+    page.goto(page.url + "?sort=max")
+    shot(page, "source")
+    page.goto(base + "/runs")
+    assert page.locator("span.badge").count() >= 1
+    shot(page, "runs")
+
+
+def test_sql_runs_reads_only_and_downloads(served, page):
+    settings, base = served
+    page.goto(base + "/sql")
+    page.fill("textarea[name=q]", "SELECT count(*) AS n FROM features")
+    page.click("main form button")
+    page.wait_for_url("**/sql?q=*")
+    n = query(settings, "SELECT count(*) FROM features")[0][0]
+    assert page.locator("table.result td").first.inner_text() == str(n)
+    shot(page, "sql")
+    with page.expect_download() as dl:
+        page.click("text=CSV")
+    assert Path(dl.value.path()).read_text().splitlines() == ["n", str(n)]
+    page.goto(base + "/sql?q=" + "DROP TABLE features")
+    assert "refused" in page.locator("#sql-error").inner_text()
+    assert query(settings, "SELECT count(*) FROM features")[0][0] == n
+
+
+def test_hostile_text_is_shown_never_run(served, page):
+    settings, base = served
+    page.goto(base + "/search?q=cpu")
+    assert HOSTILE in page.locator("ol.results").inner_text()
+    page.goto(base + "/f/gpt-oss-20b/11-resid-post-aa/4")
+    assert HOSTILE in page.locator("ul.explanations").inner_text()
+    assert page.evaluate("window.__pwned") is None and not page.dialogs
+    assert page.locator("img[src=x]").count() == 0
+
+
+def test_serve_refuses_what_is_not_a_warehouse_and_warns_off_loopback(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "no warehouse" in p.stderr and "Traceback" not in p.stderr
+    assert not (tmp_path / "none").exists()
+
+
+def test_serve_warns_when_it_listens_beyond_loopback(served):
+    settings, _ = served
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
+                             "--host", "0.0.0.0", "--port", str(_port())], stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stderr.readline()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+    assert first.startswith("warning: listening on 0.0.0.0") and "no login" in first
+
+
+def test_pages_answer_404_for_what_is_not_there(served, page):
+    settings, base = served
+    for path in ("/f/nope/nope/1", "/s/nope/nope", "/nothing-here"):
+        r = page.goto(base + path)
+        assert r.status == 404 and "Not found" in page.locator("h1").inner_text(), path
