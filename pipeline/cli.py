@@ -543,15 +543,32 @@ def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, inclu
     settings = Settings.from_env(warehouse=warehouse)
     formats = ("ducklake", "hf") if fmt == "both" else (fmt,)
     names = [t.strip() for t in tables.split(",") if t.strip()] if tables else None
+    stopped: list[int] = []
+
+    def stop(signum, frame) -> None:  # said in one line below; what it wrote beside the catalog is removed
+        stopped.append(signum)
+        raise KeyboardInterrupt
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         r = publish.publish(settings, dest, snapshot=snapshot, at=at, tables=names, formats=formats, url=url,
                             license=license_, include_private=include_private, dry_run=dry_run)
+    except (KeyboardInterrupt, duckdb.Error) as exc:
+        if not stopped and not isinstance(exc, KeyboardInterrupt):
+            raise
+        signum = stopped[0] if stopped else signal.SIGINT
+        click.echo(f"featurehouse: publish {_stopped_by(signum)}: {dest} holds the publication it held before "
+                   "(the next publish removes what this one left); run it again to publish", err=True)
+        sys.exit(128 + signum)
     except (publish.PublishRefused, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         why = "the disk is full" if disk_full(exc) else (exc.strerror or str(exc))
         raise click.ClickException(f"could not publish into {dest}: {why} ({exc.filename or dest}); "
-                                   "the previous publication there is still whole") from None
+                                   "a publication there before is still whole") from None
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     if as_json:
         _print_json({"dest": str(r.dest), "snapshot_id": r.snapshot_id, "snapshot_time": r.snapshot_time.isoformat(),
                      "dry_run": r.dry_run, "formats": list(r.formats), "bytes_written": r.bytes_written,

@@ -311,13 +311,15 @@ def test_a_publication_killed_part_way_leaves_the_previous_one_whole(built, tmp_
     want = warehouse_rows(settings, "activations", first.snapshot_id)
     run_ingest([write(tmp_path / "more" / "77.json", orjson.dumps(good_page(77)))], settings)
     # killed at several moments of a whole rewrite (--snapshot older than the published: no change feed)
-    for delay in (0.4, 0.9, 1.5):
+    for delay, sig in ((0.4, signal.SIGKILL), (0.9, signal.SIGTERM), (1.5, signal.SIGKILL), (1.2, signal.SIGTERM)):
         proc = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format",
                                  "ducklake", "--snapshot", str(first.snapshot_id - 1)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.send_signal(sig)
+        _, err = proc.communicate()
+        if sig == signal.SIGTERM and proc.returncode != 0:  # (0: it finished first)
+            assert proc.returncode == 143 and "terminated by SIGTERM" in err and "Traceback" not in err, err
         local = f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
         got = read_plain(local, {"a": "SELECT * FROM fh.activations ORDER BY ALL",
                                  "p": "SELECT max(snapshot_id) FROM fh.publication"})
@@ -325,9 +327,17 @@ def test_a_publication_killed_part_way_leaves_the_previous_one_whole(built, tmp_
             assert got["a"] == want  # the kill came first: the previous publication, whole
         else:  # it finished before the kill: the older snapshot, whole
             assert got["a"] == warehouse_rows(settings, "activations", first.snapshot_id - 1)
-    # the next publication sweeps what the killed ones left, and is whole
+    # the next publication sweeps what the killed ones left (its scratch files, the data files no
+    # catalog names), and is whole
     last = pub.publish(settings, dest, formats=("ducklake",))
     assert not [p for p in dest.iterdir() if p.name.startswith(".featurehouse-")]
+    named = read_plain(f"ATTACH '{dest / pub.CATALOG_FILE}' AS raw (READ_ONLY)", {"f": """
+        SELECT s.path || t.path || f.path FROM (SELECT table_id, path FROM raw.ducklake_data_file
+            UNION ALL SELECT table_id, path FROM raw.ducklake_delete_file) f
+        JOIN (SELECT DISTINCT table_id, schema_id, path FROM raw.ducklake_table) t USING (table_id)
+        JOIN (SELECT DISTINCT schema_id, path FROM raw.ducklake_schema) s USING (schema_id)"""})["f"]
+    on_disk = sorted(p.relative_to(dest / "data").as_posix() for p in (dest / "data").rglob("*.parquet"))
+    assert on_disk == sorted(eval(f[0]) for f in named)
     local = f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
     assert read_plain(local, {"a": "SELECT * FROM fh.activations ORDER BY ALL"})["a"] == \
         warehouse_rows(settings, "activations", last.snapshot_id)

@@ -460,6 +460,16 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
             raw.execute(f"ATTACH '{_q(str(work))}' AS w (READ_ONLY)")
             raw.execute(f"ATTACH '{_q(str(compact))}' AS c (BLOCK_SIZE 16384)")
             raw.execute("COPY FROM DATABASE w TO c")
+            # every file any publication in this catalog wrote (its data and delete files, relative
+            # to the data path): what else is in data/ a publication killed part-way left
+            known = {r[0] for r in raw.execute("""
+                WITH t AS (SELECT DISTINCT t.table_id, CASE WHEN t.path_is_relative THEN
+                                  (CASE WHEN s.path_is_relative THEN s.path ELSE '' END) || t.path ELSE t.path END AS tp
+                           FROM w.ducklake_table t JOIN w.ducklake_schema s USING (schema_id))
+                SELECT DISTINCT CASE WHEN f.path_is_relative THEN t.tp || f.path ELSE f.path END
+                FROM (SELECT table_id, path, path_is_relative FROM w.ducklake_data_file
+                      UNION ALL SELECT table_id, path, path_is_relative FROM w.ducklake_delete_file) f
+                JOIN t USING (table_id)""").fetchall()}
             raw.execute("UPDATE c.ducklake_metadata SET value = $v WHERE key = 'data_path' AND scope IS NULL",
                         {"v": f"{url}/data/" if url else "data/"})
             raw.execute("DETACH c")
@@ -469,6 +479,12 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
         work = compact
         os.replace(work, final)  # last: a reader of the old catalog reads its files, which stay
         work = None
+        # under the folder's lock: a file no publication's catalog names was written by one that
+        # was killed before its catalog replaced the old one; no reader can be reading it
+        for p in list(data.rglob("*.parquet")):
+            if p.relative_to(data).as_posix() not in known:
+                with contextlib.suppress(OSError):
+                    p.unlink()
         after = _files(data)
         new = {p: s for p, s in after.items() if p not in before}
         out.files_written += len(new) + 1
