@@ -610,7 +610,7 @@ def serve_cmd(warehouse, host, port) -> None:
         except find.FindIndexMissing:
             click.echo("building the find index (search, similar, by-token) ...", err=True)
             find.build_index(settings)
-        app = web.make_app(settings)
+        app = web.make_app(settings, host=host)
     except (*_USER_ERRORS, find.FindIndexUnwritable) as exc:
         raise click.ClickException(str(exc)) from None
     if host not in ("127.0.0.1", "localhost", "::1"):

@@ -197,3 +197,33 @@ def test_pages_answer_404_for_what_is_not_there(served, page):
     for path in ("/f/nope/nope/1", "/s/nope/nope", "/nothing-here"):
         r = page.goto(base + path)
         assert r.status == 404 and "Not found" in page.locator("h1").inner_text(), path
+
+
+def test_what_an_outside_review_broke_answers_as_a_page(served):
+    """Found from outside: a foreign Host header (DNS rebinding) was served; a query starting with
+    `-` was read as an option by the sql child; a huge page number, a NUL token, an unknown run
+    gave 500s or an empty 200."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    settings, base = served
+
+    def get(path: str, host: str | None = None) -> tuple[int, str]:
+        req = urllib.request.Request(base + path, headers={"Host": host} if host else {})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    assert get("/", host="evil.example.com:80")[0] == 400
+    assert get("/", host="localhost")[0] == 200
+    status, body = get("/sql?q=" + urllib.parse.quote("--help"))
+    assert status == 200 and "Usage" not in body  # a comment: it runs nothing, and is no option
+    status, body = get("/sql?q=" + urllib.parse.quote("-- a note\nSELECT 42 AS answer"))
+    assert status == 200 and "<td class=\"small\"><bdi>42</bdi></td>" in body
+    status, body = get("/s/gpt-oss-20b/11-resid-post-aa?page=99999999999999999999")
+    assert status == 200 and "page 1 of 1" in body
+    assert get("/by-token?t=%00")[0] == 200
+    assert get("/runs/no-such-run/quarantine")[0] == 404

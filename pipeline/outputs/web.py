@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -43,6 +44,11 @@ __all__ = ["make_app", "visible_token", "SORTS"]
 
 _TEMPLATES = Path(__file__).resolve().parent / "templates" / "web"
 PAGE = 50
+#: Results a search or a by-token page lists (it says when there may be more).
+LIMIT = 100
+#: A query of /sql runs at most this long; the page shows at most this much of its answer.
+SQL_SECONDS = 120
+SQL_PAGE_BYTES = 8 << 20
 #: The columns a source's feature table sorts by (?sort=), each with its SQL.
 SORTS = {"index": "feature_index", "max": "max_act_approx DESC NULLS LAST, feature_index",
          "density": "frac_nonzero DESC NULLS LAST, feature_index",
@@ -91,14 +97,23 @@ class _State:
 
     def with_finder(self, fn):
         with self.lock:
-            if self.finder is None:
+            for _attempt in (1, 2):
+                if self.finder is None:
+                    try:
+                        self.finder = find.Finder(self.settings)
+                        self.finder_error = None
+                    except (find.FindIndexMissing, find.FindIndexStale, PermissionError) as exc:
+                        self.finder_error = str(exc)
+                        return None
                 try:
-                    self.finder = find.Finder(self.settings)
-                    self.finder_error = None
-                except (find.FindIndexMissing, PermissionError) as exc:
+                    return fn(self.finder)
+                except (find.FindIndexMissing, find.FindIndexStale, OSError, duckdb.IOException) as exc:
+                    # the index was moved, damaged or rebuilt under it: opened again once
                     self.finder_error = str(exc)
-                    return None
-            return fn(self.finder)
+                    with contextlib.suppress(Exception):
+                        self.finder.close()
+                    self.finder = None
+            return None
 
     def close(self) -> None:
         with self.lock:
@@ -146,8 +161,9 @@ def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     return {"id": sid, "time": t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else ""}
 
 
-def make_app(where: Settings | str | os.PathLike):
-    """The Starlette application over the warehouse at ``where``."""
+def make_app(where: Settings | str | os.PathLike, host: str | None = None):
+    """The Starlette application over the warehouse at ``where``; ``host``: the address it listens
+    on, besides loopback's names (requests naming another host are refused)."""
     import jinja2
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -186,13 +202,13 @@ def make_app(where: Settings | str | os.PathLike):
         results, note = [], None
         if q:
             try:
-                results, note = found(lambda f: f.search(q, model=model, source=source, limit=50))
+                results, note = found(lambda f: f.search(q, model=model, source=source, limit=LIMIT))
             except (ValueError, duckdb.Error) as exc:
                 note = f"the query could not be read: {exc}"
         with contextlib.closing(_lake(settings)) as conn:
             sources = _rows(conn, "SELECT model_id, source_id, count(*) AS n FROM features GROUP BY ALL ORDER BY 1, 2")
             _with_excerpts(conn, results)
-        return page("search.html.j2", q=q, model=model, source=source, results=results, note=note,
+        return page("search.html.j2", limit=LIMIT, q=q, model=model, source=source, results=results, note=note,
                     sources=sources, _t0=t0)
 
     def _with_excerpts(conn, results: list[dict[str, Any]]) -> None:
@@ -221,9 +237,12 @@ def make_app(where: Settings | str | os.PathLike):
         t = request.query_params.get("t") or ""
         results, note = [], None
         if t:
-            results, note = found(lambda f: f.by_token(t, ignore_case="i" in request.query_params, limit=50))
+            try:
+                results, note = found(lambda f: f.by_token(t, ignore_case="i" in request.query_params, limit=LIMIT))
+            except ValueError as exc:
+                results, note = [], f"the token could not be looked up: {exc}"
             _with_excerpts(_lake(settings).conn, results)
-        return page("by_token.html.j2", t=t, results=results, note=note, _t0=t0)
+        return page("by_token.html.j2", limit=LIMIT, t=t, results=results, note=note, _t0=t0)
 
     def feature(request: Request):
         t0 = time.perf_counter()
@@ -275,7 +294,7 @@ def make_app(where: Settings | str | os.PathLike):
         sort = request.query_params.get("sort", "index")
         order = SORTS.get(sort, SORTS["index"])
         try:
-            pageno = max(1, int(request.query_params.get("page", "1")))
+            pageno = max(1, min(int(request.query_params.get("page", "1")), 10**9))
         except ValueError:
             pageno = 1
         with contextlib.closing(_lake(settings)) as conn:
@@ -284,6 +303,7 @@ def make_app(where: Settings | str | os.PathLike):
             if not n:
                 return page("error.html.j2", status=404, message=f"no source {p['model']}/{p['source']} in the warehouse",
                             _t0=t0)
+            pageno = min(pageno, max(1, math.ceil(n / PAGE)))
             stats = _rows(conn, "SELECT * EXCLUDE (model_id, source_id, refreshed_at) FROM source_activation_stats "
                                 "WHERE model_id = ? AND source_id = ? ORDER BY data_source NULLS LAST", args)
             counts = _rows(conn, """SELECT (SELECT count(*) FROM activations WHERE model_id = $1 AND source_id = $2) AS activations,
@@ -298,9 +318,12 @@ def make_app(where: Settings | str | os.PathLike):
             top_max = conn.execute("SELECT max(max_act_approx) FROM features WHERE model_id = ? AND source_id = ?",
                                    args).fetchone()[0]
             rows = _rows(conn, f"""
-                WITH q AS (SELECT json_extract_string(record_json, '$.index') AS idx, count(*) AS n FROM quarantine
-                           WHERE json_extract_string(record_json, '$.modelId') = $1
-                             AND json_extract_string(record_json, '$.layer') = $2 GROUP BY 1)
+                WITH q AS (SELECT json_extract_string(q.record_json, '$.index') AS idx, count(DISTINCT q.record_key) AS n
+                           FROM quarantine q
+                           WHERE json_extract_string(q.record_json, '$.modelId') = $1
+                             AND json_extract_string(q.record_json, '$.layer') = $2
+                             AND q.input_sha256 IN (SELECT input_sha256 FROM feature_captures
+                                                    WHERE model_id = $1 AND source_id = $2) GROUP BY 1)
                 SELECT f.feature_index, f.max_act_approx, f.frac_nonzero, coalesce(q.n, 0) AS n_quarantined,
                        (SELECT first(e.description ORDER BY e.explanation_id) FROM explanations e WHERE e.model_id = $1
                         AND e.source_id = $2 AND e.feature_index = f.feature_index) AS description
@@ -335,12 +358,23 @@ def make_app(where: Settings | str | os.PathLike):
         with contextlib.closing(_lake(settings)) as conn:
             rows = _rows(conn, "SELECT record_kind, record_key, check_name, detail, left(record_json::VARCHAR, 2000) AS record "
                                "FROM quarantine WHERE run_id = ? ORDER BY record_key, check_name LIMIT 1000", [run_id])
+        if not rows:
+            with contextlib.closing(_lake(settings)) as conn:
+                if conn.execute("SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0] == 0:
+                    return page("error.html.j2", status=404, message=f"no run {run_id}", _t0=t0)
         return page("quarantine.html.j2", run_id=run_id, rows=rows, _t0=t0)
 
     def _sql_child(q: str, fmt: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "sql", q, "--warehouse", str(settings.warehouse),
-                                 "--format", fmt], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # `--` first: a query is never read as an option (`--help`, a leading `-- comment`)
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "sql", "--warehouse", str(settings.warehouse),
+                                 "--format", fmt, "--", q], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+        # no query runs longer than SQL_SECONDS, whoever is still waiting for it
+        timer = threading.Timer(SQL_SECONDS, proc.kill)
+        timer.daemon = True
+        timer.start()
+        proc.timer = timer
+        return proc
 
     def sql(request: Request):
         t0 = time.perf_counter()
@@ -348,21 +382,29 @@ def make_app(where: Settings | str | os.PathLike):
         cols, rows, error, more = [], [], None, False
         if q:
             proc = _sql_child(q, "json")
-            try:
-                out, err = proc.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
+            # at most SQL_PAGE_BYTES of the answer are read for the page: the rest is for a download
+            out = proc.stdout.read(SQL_PAGE_BYTES + 1)
+            big = len(out) > SQL_PAGE_BYTES
+            if big:
                 proc.kill()
-                out, err = proc.communicate()
-                error = "the query took more than 120 s: stopped"
-            if error is None and proc.returncode != 0:
+            err = proc.stderr.read()
+            proc.wait()
+            proc.timer.cancel()
+            if big:
+                error = (f"the answer is larger than {SQL_PAGE_BYTES >> 20} MB: add a LIMIT, or download it as CSV "
+                         "or JSON")
+            elif proc.returncode == -signal.SIGKILL:
+                error = f"the query took more than {SQL_SECONDS} s: stopped"
+            elif proc.returncode != 0:
                 error = err.decode("utf-8", "replace").strip().removeprefix("Error: ") or f"exit {proc.returncode}"
-            elif error is None:
+            else:
                 data = json.loads(out or b"[]")
                 if data:
                     cols = list(data[0])
                     more = len(data) > 500
                     rows = [[r[c] for c in cols] for r in data[:500]]
-        return page("sql.html.j2", q=q, cols=cols, rows=rows, error=error, more=more, _t0=t0)
+        return page("sql.html.j2", status=400 if error else 200, q=q, cols=cols, rows=rows, error=error, more=more,
+                    _t0=t0)
 
     def sql_download(request: Request):
         q = (request.query_params.get("q") or "").strip()
@@ -374,6 +416,7 @@ def make_app(where: Settings | str | os.PathLike):
         if not first:
             err = proc.stderr.read().decode("utf-8", "replace").strip()
             proc.wait()
+            proc.timer.cancel()
             if proc.returncode != 0:
                 return PlainTextResponse(err.removeprefix("Error: ") + "\n", status_code=400)
 
@@ -385,12 +428,21 @@ def make_app(where: Settings | str | os.PathLike):
             finally:
                 proc.kill()
                 proc.wait()
+                proc.timer.cancel()
 
         return StreamingResponse(stream(), media_type="text/csv" if fmt == "csv" else "application/json",
                                  headers={"Content-Disposition": f'attachment; filename="featurehouse.{fmt}"'})
 
     def not_found(request: Request, exc: Exception) -> Response:
         return page("error.html.j2", status=404, message=f"nothing at {request.url.path}")
+
+    def failed(request: Request, exc: Exception) -> Response:
+        """Any other error: one line on a page (the warehouse moved away, a damaged index...)."""
+        log.warning("%s failed: %s", request.url.path, exc, exc_info=exc)
+        body = env.get_template("error.html.j2").render(
+            snapshot={"id": "?", "time": "unknown"}, title="Could not answer",
+            message=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        return HTMLResponse(body, status_code=500)
 
     routes = [
         Route("/", home), Route("/search", home), Route("/by-token", by_token),
@@ -407,6 +459,14 @@ def make_app(where: Settings | str | os.PathLike):
         yield
         state.close()
 
-    app = Starlette(routes=routes, exception_handlers={404: not_found}, lifespan=lifespan)
+    from starlette.middleware import Middleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+    # The Host header names this machine: a page elsewhere that rebinds its own name to 127.0.0.1
+    # (DNS rebinding) is refused, so "loopback only" holds against web pages the user visits.
+    hosts = ["localhost", "127.0.0.1", "[::1]", "::1"] + ([] if not host else ["*"] if host in ("0.0.0.0", "::")
+                                                         else [host])
+    app = Starlette(routes=routes, exception_handlers={404: not_found, Exception: failed}, lifespan=lifespan,
+                    middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
     app.state.featurehouse = state
     return app
