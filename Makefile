@@ -52,10 +52,11 @@ constraints: setup ## Pin what .venv holds now into constraints.txt (after a cha
 lint: setup ## Lint and check formatting with ruff
 	$(BIN)/ruff check pipeline dags tests bench
 
-bench: setup ## Benchmark ingest against DuckDB read_json, wall and CPU (full N=250/1000 on two page generators, re-run, one new page, 1 GiB export batch, a whole generated source through ingest and fetch exports), then finding features
+bench: setup ## Benchmark ingest against DuckDB read_json, wall and CPU (full N=250/1000 on two page generators, re-run, one new page, 1 GiB export batch, a whole generated source through ingest and fetch exports), then finding features and browsing them (featurehouse serve)
 	@$(BIN)/python -m compileall -q pipeline  # as `make test`: no process of the bench compiles our modules again
 	$(BIN)/python bench/run_bench.py $(BENCH_ARGS)
 	$(BIN)/python bench/find_bench.py $(FIND_BENCH_ARGS)
+	$(BIN)/python bench/serve_bench.py $(SERVE_BENCH_ARGS)
 
 bench-scale: setup ## Scale-out figures on PostgreSQL + S3 (moto): lock share, 1 vs 2 writers, S3 export throughput vs local disk (needs PostgreSQL's binaries, as `make test`)
 	@$(BIN)/python -m compileall -q pipeline

@@ -206,30 +206,37 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
             except (ValueError, duckdb.Error) as exc:
                 note = f"the query could not be read: {exc}"
         with contextlib.closing(_lake(settings)) as conn:
-            sources = _rows(conn, "SELECT model_id, source_id, count(*) AS n FROM features GROUP BY ALL ORDER BY 1, 2")
+            sources = [] if q else _rows(
+                conn, "SELECT model_id, source_id, count(*) AS n FROM features GROUP BY ALL ORDER BY 1, 2")
             _with_excerpts(conn, results)
         return page("search.html.j2", limit=LIMIT, q=q, model=model, source=source, results=results, note=note,
                     sources=sources, _t0=t0)
 
-    def _with_excerpts(conn, results: list[dict[str, Any]]) -> None:
-        """Each result's strongest excerpt, a few tokens each side of its peak (one query)."""
-        if not results:
+    def _with_excerpts(conn, results: list[dict[str, Any]], first: int = 20) -> None:
+        """The first ``first`` results' strongest excerpts, a few tokens each side of the peak.
+
+        The features' indices go in as literals, so DuckDB skips the row groups of activations
+        whose feature_index range holds none of them; the token lists are read only for the one
+        activation a feature shows (two passes: ~75 ms for 20 features of a 131,072-excerpt
+        source, against ~270 ms for one pass over 100)."""
+        shown = results[:first]
+        if not shown:
             return
-        keys = [[r["model_id"], r["source_id"], int(r["feature_index"])] for r in results]
-        rows = conn.execute("""
+        indices = ", ".join(str(int(r["feature_index"])) for r in shown)
+        keys = {(r["model_id"], r["source_id"], int(r["feature_index"])) for r in shown}
+        rows = conn.execute(f"""
+            WITH best AS (SELECT activation_id FROM activations WHERE feature_index IN ({indices})
+                          QUALIFY row_number() OVER (PARTITION BY model_id, source_id, feature_index
+                                                     ORDER BY max_value DESC NULLS LAST, activation_id) = 1)
             SELECT a.model_id, a.source_id, a.feature_index, a.max_value,
                    greatest(a.max_value_token_index - 6, 0) AS start, a.max_value_token_index AS at,
                    a.tokens[greatest(a.max_value_token_index - 6, 0) + 1 : a.max_value_token_index + 7] AS tokens,
                    a."values"[greatest(a.max_value_token_index - 6, 0) + 1 : a.max_value_token_index + 7] AS "values"
-            FROM activations a JOIN (SELECT unnest($m) AS m, unnest($s) AS s, unnest($i) AS i) k
-              ON a.model_id = k.m AND a.source_id = k.s AND a.feature_index = k.i
-            QUALIFY row_number() OVER (PARTITION BY a.model_id, a.source_id, a.feature_index
-                                       ORDER BY a.max_value DESC NULLS LAST, a.activation_id) = 1""",
-                            {"m": [k[0] for k in keys], "s": [k[1] for k in keys],
-                             "i": [k[2] for k in keys]}).fetchall()
+            FROM activations a WHERE a.feature_index IN ({indices})
+              AND a.activation_id IN (SELECT activation_id FROM best)""").fetchall()
         best = {(m, s, i): {"max_value": mx, "peak": (at - st) if at is not None else None, "tokens": toks,
-                            "values": vals} for m, s, i, mx, st, at, toks, vals in rows}
-        for r in results:
+                            "values": vals} for m, s, i, mx, st, at, toks, vals in rows if (m, s, i) in keys}
+        for r in shown:
             r["excerpt"] = best.get((r["model_id"], r["source_id"], int(r["feature_index"])))
 
     def by_token(request: Request):
