@@ -51,6 +51,7 @@ LOCATION_KEYS = frozenset({
     "FEATUREHOUSE_S3_ENDPOINT",
     "FEATUREHOUSE_DATA_PATH",
     "FEATUREHOUSE_LANDING",
+    "FEATUREHOUSE_FETCH_BUDGET",
 })
 
 #: Settings a test adds that the deployment takes from the environment (secrets, ports, home).

@@ -173,6 +173,7 @@ def test_two_celery_workers_share_one_lakehouse_and_survive_a_killed_worker(tmp_
                 tmp_path / "home", scale=True,
                 AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=pg.url,
                 AIRFLOW__CELERY__BROKER_URL=f"redis://127.0.0.1:{redis_port}/0",
+                FEATUREHOUSE_FETCH_BUDGET=f"redis://127.0.0.1:{redis_port}/2",
                 AIRFLOW__CELERY__RESULT_BACKEND=f"db+{pg.url}",
                 FEATUREHOUSE_CATALOG=pg.catalog,
                 FEATUREHOUSE_S3_ENDPOINT=endpoint,

@@ -103,6 +103,8 @@ def test_the_scale_profile_is_the_one_the_celery_test_starts():
     assert not {k for k in SCALE_ENV if "SECRET" in k or "PASSWORD" in k or k == "AWS_ACCESS_KEY_ID"}
     broker = urlsplit(SCALE_ENV["AIRFLOW__CELERY__BROKER_URL"])
     assert broker.scheme == "redis" and broker.hostname == "redis" and broker.port == 6379
+    budget = urlsplit(SCALE_ENV["FEATUREHOUSE_FETCH_BUDGET"])  # the workers' fetches share one request budget
+    assert (budget.scheme, budget.hostname, budget.port) == ("redis", "redis", 6379) and budget.path != broker.path
     backend = urlsplit(SCALE_ENV["AIRFLOW__CELERY__RESULT_BACKEND"].removeprefix("db+"))
     db = urlsplit(ENV["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
     assert (backend.hostname, backend.username, backend.password, backend.path) == (

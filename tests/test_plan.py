@@ -238,13 +238,18 @@ def test_fetch_chunk_lands_each_kind_of_chunk_from_a_real_server(tmp_path):
 
 
 def test_parallel_fetch_tasks_share_one_nightly_rate_budget(tmp_path):
-    """Neuronpedia limits requests per IP: the chunks that run at once split the budget."""
+    """Neuronpedia limits requests per IP: the chunks that run at once take their requests from
+    one shared bucket (tests/test_fetch_budget.py), each may use all of it; without the shared
+    bucket they split the budget."""
     (tmp_path / "fh.toml").write_text(
         '[fetch]\nchunk_size = 10\nrequests_per_hour = 20000\n'
         '[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["0:100"]\n')
     default = chunks(load_plan(tmp_path / "fh.toml", env={}), "w")
-    assert {c["requests_per_hour"] for c in default} == {5000}  # 4 fetch tasks at once
-    two = chunks(load_plan(tmp_path / "fh.toml", env={"FEATUREHOUSE_API_SLOTS": "2"}), "w")
+    assert {c["requests_per_hour"] for c in default} == {20000}
+    off = {"FEATUREHOUSE_FETCH_BUDGET": "off"}
+    split = chunks(load_plan(tmp_path / "fh.toml", env=off), "w")
+    assert {c["requests_per_hour"] for c in split} == {5000}  # 4 fetch tasks at once
+    two = chunks(load_plan(tmp_path / "fh.toml", env=off | {"FEATUREHOUSE_API_SLOTS": "2"}), "w")
     assert {c["requests_per_hour"] for c in two} == {10000}
 
 

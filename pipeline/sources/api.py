@@ -180,8 +180,11 @@ class Client:
     """A pooled requests session; every call goes through the rate budget and the retry policy."""
 
     def __init__(self, *, api_key: str | None, timeout: float, max_attempts: int, concurrency: int,
-                 requests_per_hour: float, backoff: float, max_backoff: float):
+                 requests_per_hour: float, backoff: float, max_backoff: float, shared: Any = None):
+        """``shared``: a ``budget.SharedBudget`` every request also takes from (the fetches running
+        at once share it), besides this client's own bucket."""
         self.timeout = timeout
+        self.shared = shared
         self.max_attempts = max(1, max_attempts)
         self.backoff = backoff
         self.max_backoff = max_backoff
@@ -235,6 +238,8 @@ class Client:
             nonlocal n
             n += 1
             self.limiter.acquire()
+            if self.shared is not None:
+                self.shared.acquire(self.cancelled)
             try:
                 return attempt()
             except (requests.Timeout, requests.ConnectionError, requests.exceptions.ChunkedEncodingError,

@@ -33,6 +33,7 @@ from ..lake.runstate import RunSummary
 from ..lake.warehouse import utcnow
 from ..stages.land import land
 from ..stages.receive import Input
+from . import budget
 from .api import (
     DEFAULT_BASE_URL,
     DEFAULT_EXPORTS_URL,
@@ -360,7 +361,8 @@ def fetch_features(
     result = FetchResult(window=window, manifest=str(manifest.path))
     started = time.monotonic()
     client = Client(api_key=api_key, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
-                     requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff)
+                     requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff,
+                     shared=budget.shared_budget(settings.warehouse, requests_per_hour, concurrency))
     landing, limit = settings.landing_root, settings.max_input_bytes
     try:
         if not all_features:
@@ -435,7 +437,8 @@ def fetch_exports(
     result = FetchResult(window=window, manifest=str(manifest.path))
     started = time.monotonic()
     client = Client(api_key=None, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
-                     requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff)
+                     requests_per_hour=requests_per_hour, backoff=backoff, max_backoff=max_backoff,
+                     shared=budget.shared_budget(settings.warehouse, requests_per_hour, concurrency))
     bucket = exports_url.rstrip("/")
     prefix = export_prefix(model, source)
     # (a local landing area only: on S3 the spool is the system's temp folder, others' too)

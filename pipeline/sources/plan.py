@@ -170,8 +170,12 @@ class Plan:
     concurrency: int = 4
     """Concurrent requests within one fetch task."""
     requests_per_hour: int = 20_000
-    """Request budget of the whole nightly fetch, shared by the fetch tasks that run at once
-    (each gets ``requests_per_hour // parallel_fetches``): Neuronpedia's limit is per IP."""
+    """Request budget of the whole nightly fetch, shared by the fetch tasks that run at once:
+    Neuronpedia's limit is per IP. With ``shared_budget`` each takes its requests from one
+    bucket (``sources.budget``) and may use all of it; without, each gets
+    ``requests_per_hour // parallel_fetches``."""
+    shared_budget: bool = True
+    """False when ``$FEATUREHOUSE_FETCH_BUDGET`` is 'off'."""
     parallel_fetches: int = 4
     """Fetch tasks that may run at once: the DAG's ``max_active_tis_per_dagrun`` and at most the
     ``neuronpedia_api`` pool's slots (``$FEATUREHOUSE_API_SLOTS``)."""
@@ -467,6 +471,7 @@ def _plan(config_path: Path, values: dict[str, Any], given: dict[tuple[str, str]
         concurrency=int(fetch.get("concurrency", Plan.concurrency)),
         requests_per_hour=int(fetch.get("requests_per_hour", Plan.requests_per_hour)),
         parallel_fetches=slots.get("FEATUREHOUSE_API_SLOTS", Plan.parallel_fetches),
+        shared_budget=(env.get("FEATUREHOUSE_FETCH_BUDGET") or "").strip().lower() != "off",
         max_failed_fraction=float(fetch.get("max_failed_fraction", Plan.max_failed_fraction)),
         max_attempts=int(fetch.get("max_attempts", Plan.max_attempts)),
         backoff=float(fetch.get("backoff", Plan.backoff)),
@@ -534,9 +539,12 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
     if ranged:
         while sum(math.ceil((b - a) / size) for s in ranged for a, b in s.ranges) > room:
             size = max(size + 1, math.ceil(size * 1.25), math.ceil(total / room))
-    # Chunks run side by side, each with its own rate limiter: split the budget between them so
-    # that together they stay under it.
-    per_task = max(1, plan.requests_per_hour // max(1, plan.parallel_fetches))
+    # Chunks run side by side. With the shared budget (sources.budget, the default) each takes
+    # its requests from one bucket and may use all of it when it runs alone; without it
+    # (FEATUREHOUSE_FETCH_BUDGET=off) the budget is split between them so that together they
+    # stay under it.
+    per_task = (plan.requests_per_hour if plan.shared_budget
+                else max(1, plan.requests_per_hour // max(1, plan.parallel_fetches)))
     common = {"window": window, "warehouse": str(plan.warehouse), "base_url": plan.base_url,
               "exports_url": plan.exports_url,
               "concurrency": plan.concurrency, "requests_per_hour": per_task,
