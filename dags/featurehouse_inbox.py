@@ -67,6 +67,8 @@ def _not_transient():
         "retry_delay": timedelta(minutes=1),
         "retry_exponential_backoff": True,
         "max_retry_delay": timedelta(minutes=10),
+        # a drain stuck (a lock never released, a hung read) is ended and retried, not left for good
+        "execution_timeout": timedelta(hours=1),
     },
     tags=["featurehouse", "inbox"],
     doc_md=__doc__,

@@ -171,6 +171,9 @@ default_args = {
     "retry_delay": timedelta(seconds=_setting("schedule", "retry_delay", 60.0, float, MAX_RETRY_DELAY)),
     "retry_exponential_backoff": True,
     "max_retry_delay": timedelta(minutes=30),
+    # a task stuck (a hung connection, a lock never released) is ended and retried, never left
+    # running into the next night; the whole night has dagrun_timeout below
+    "execution_timeout": timedelta(hours=6),
 }
 
 
@@ -180,6 +183,9 @@ default_args = {
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
+    # the next night starts fresh: a night still running after 23 hours is failed (its tasks
+    # stopped), what it landed is loaded by a re-run of its window
+    dagrun_timeout=timedelta(hours=23),
     default_args=default_args,
     tags=["featurehouse", "neuronpedia", "nightly"],
     doc_md=__doc__,

@@ -37,10 +37,12 @@ for dag_id, dag in bag.dags.items():
             "trigger_rule": getattr(t.trigger_rule, "value", str(t.trigger_rule)),
             "upstream": sorted(t.upstream_task_ids), "mapped": type(t).__name__.startswith("Mapped") or hasattr(t, "expand_input"),
             "outlets": [getattr(o, "uri", str(o)) for o in (t.outlets or [])],
+            "timeout_s": t.execution_timeout.total_seconds() if t.execution_timeout else None,
         }
     out["dags"][dag_id] = {
         "fileloc": dag.fileloc, "tags": sorted(dag.tags), "catchup": dag.catchup,
         "max_active_runs": dag.max_active_runs, "doc_md": dag.doc_md or "",
+        "dagrun_timeout_s": dag.dagrun_timeout.total_seconds() if dag.dagrun_timeout else None,
         "timetable": type(dag.timetable).__name__, "summary": getattr(dag.timetable, "expression", None),
         "tasks": tasks, "sorted": [t.task_id for t in dag.topological_sort()],
     }
@@ -88,6 +90,9 @@ def test_house_rules(bag, dag_id):
     for task_id, t in dag["tasks"].items():
         assert t["retries"] >= 2, task_id
         assert t["backoff"], task_id
+        # a stuck task is ended and retried, within its run's own timeout
+        assert t["timeout_s"] and t["timeout_s"] <= dag["dagrun_timeout_s"], task_id
+    assert dag["dagrun_timeout_s"] and dag["dagrun_timeout_s"] < 24 * 3600
     # no cycles (check_cycle passed in the probe) and a topological order covers every task
     assert sorted(dag["sorted"]) == sorted(dag["tasks"])
 

@@ -194,3 +194,25 @@ def test_all_features_of_a_source_that_has_none_fails(tmp_path):
         c = chunk(np.base_url, "w-all-none", via="api", all=True, source="no-such-sae")
         with pytest.raises(SourceNotFound, match="features-offset has no feature"):
             fetch_chunk(c, settings_in(tmp_path))
+
+
+def test_the_task_log_names_each_lost_url_with_the_count_so_far_and_the_progress(tmp_path, caplog, monkeypatch):
+    """Issue 45: a night that lost half its URLs said nothing at WARNING in its task log, and a
+    long fetch was silent for minutes (the progress bar is off where there is no terminal)."""
+    import logging
+
+    from pipeline.sources import fetch as fetch_mod
+    from pipeline.sources.fetch import fetch_features
+    from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
+    from tests.fetch_support import FAST, MODEL, SOURCE, pages, settings_in
+
+    monkeypatch.setattr(fetch_mod, "LOG_EVERY", 0.0)
+    lost = {feature_path(i): "503" for i in (1, 3, 5)}
+    with FakeNeuronpedia(pages=pages(8), always=lost) as np, caplog.at_level(logging.INFO, "featurehouse.fetch"):
+        result = fetch_features(MODEL, SOURCE, range(8), settings=settings_in(tmp_path), base_url=np.base_url,
+                                concurrency=1, max_attempts=2, **FAST)
+    assert result.n_failed == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "lost " in r.getMessage()]
+    assert len(warnings) == 3 and "3 of 8 URL(s) lost so far" in warnings[-1], warnings
+    progress = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and " done in " in r.getMessage()]
+    assert progress and "8 of 8 done" in progress[-1], progress

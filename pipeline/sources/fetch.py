@@ -113,11 +113,19 @@ class _Job:
     """Performs the fetch and returns the manifest fields it learnt (status, sha256, ...)."""
 
 
+#: Seconds between the progress lines a fetch logs (the bar is for terminals; an Airflow task's
+#: log gets these).
+LOG_EVERY = 30.0
+
+
 class _Progress:
     def __init__(self, result: FetchResult, total: int | None, show: bool, desc: str):
         self.result = result
         self.bar = tqdm(total=total, unit="page", desc=desc, disable=not show, dynamic_ncols=True)
         self.started = time.monotonic()
+        self.logged = self.started
+        self.total = total
+        self.desc = desc
 
     def update(self) -> None:
         r = self.result
@@ -127,6 +135,13 @@ class _Progress:
                              skipped=r.n_skipped_already_landed,
                              per_hour=int(done / elapsed * 3600), refresh=False)
         self.bar.update(1)
+        now = time.monotonic()
+        if now - self.logged >= LOG_EVERY:
+            self.logged = now
+            of = f" of {self.total:,}" if self.total else ""
+            log.info("%s: %d%s done in %.0f s (landed %d, failed %d, not found %d, already landed %d; %d an hour)",
+                     self.desc, done + r.n_skipped_already_landed, of, elapsed, r.n_landed, r.n_failed,
+                     r.n_not_found, r.n_skipped_already_landed, int(done / elapsed * 3600))
 
     def close(self) -> None:
         self.bar.close()
@@ -181,6 +196,10 @@ class _Fetcher:
             r.n_failed += 1
             r.failures.append({k: entry.get(k) for k in
                                ("url", "key", "http_status", "attempts", "last_error")})
+            # an operator reading the task's log sees each lost URL, with the count so far
+            log.warning("lost %s after %s attempt(s): %s (%d of %d URL(s) lost so far)", entry.get("url"),
+                        entry.get("attempts"), entry.get("last_error"), r.n_failed,
+                        self.progress.total or r.n_requested)
         self.progress.update()
 
     def run_all(self, jobs: Iterable[_Job], concurrency: int) -> None:
