@@ -31,6 +31,10 @@ warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00
 9. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
    failed, which marks the run failed once the tasks above have run.
 
+Neuronpedia's address and API key come from the Airflow Connection `neuronpedia_default`
+(host with its schema, the key as its password) when there is one; else from
+`NEURONPEDIA_BASE_URL` / `NEURONPEDIA_API_KEY` and featurehouse.toml.
+
 Writers need no exclusive slot: each commit takes the warehouse's commit lock and conflicts are
 retried, and readers are never blocked. Pool `warehouse_writer` only bounds how many loads run
 at once (memory). Every task is keyed by the run's data interval (window
@@ -149,6 +153,28 @@ def _not_transient():
         raise AirflowFailException(f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
 
 
+CONNECTION_ID = "neuronpedia_default"
+
+
+def _neuronpedia() -> tuple[str | None, str | None]:
+    """Neuronpedia's address and API key from the Airflow Connection ``neuronpedia_default``
+    (host ``https://www.neuronpedia.org``, or a host with its schema and port; the key its
+    password), as Airflow users keep credentials; (None, None) when there is none, and then
+    ``NEURONPEDIA_BASE_URL``/``NEURONPEDIA_API_KEY`` and featurehouse.toml say, as before."""
+    from airflow.sdk import Connection
+
+    try:
+        conn = Connection.get(CONNECTION_ID)
+    except Exception as exc:  # AirflowNotFoundException: no such connection
+        if "isn't defined" not in str(exc) and "not found" not in str(exc).lower():
+            raise
+        return None, None
+    host = (conn.host or "").rstrip("/")
+    if host and "://" not in host:
+        host = f"{conn.schema or 'https'}://{host}" + (f":{conn.port}" if conn.port else "")
+    return host or None, conn.password or None
+
+
 def _warehouse(context: dict) -> str | None:
     """The warehouse the plan task chose for this run (None when it failed): the tasks after it
     never read featurehouse.toml again."""
@@ -197,8 +223,9 @@ def featurehouse_nightly():
 
         from pipeline.sources.plan import chunks, load_plan, window_for
 
+        base_url, _ = _neuronpedia()
         with _not_transient():
-            planned = load_plan()
+            planned = load_plan(env={**os.environ, "NEURONPEDIA_BASE_URL": base_url} if base_url else None)
             out = chunks(planned, window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
         context["ti"].xcom_push(key="warehouse", value=str(planned.warehouse))
         return out
@@ -212,8 +239,9 @@ def featurehouse_nightly():
     def fetch(chunk: dict) -> dict:
         from pipeline.sources.plan import fetch_chunk
 
+        _, api_key = _neuronpedia()  # read here, never passed through XCom
         with _not_transient():
-            return fetch_chunk(chunk)
+            return fetch_chunk(chunk, api_key=api_key)
 
     # all_done_min_one_success: what the chunks that succeeded landed is still loaded (and
     # failures recorded) tonight, rather than left landed in a window no later run reads; the

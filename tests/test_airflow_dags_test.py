@@ -132,6 +132,30 @@ indices = ["0:3"]
 """
 
 
+def test_nightly_takes_neuronpedia_from_its_airflow_connection(home, tmp_path, fake_neuronpedia):
+    """Issue 45: Neuronpedia's address (and key) from the Connection `neuronpedia_default`, as
+    Airflow users keep them: the environment's URL is a closed port here, only the Connection
+    (given as Airflow's AIRFLOW_CONN_ variable) names the fake site, and the night lands its pages."""
+    import json
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    (tmp_path / "featurehouse.toml").write_text(CLOSED_CONFIG)
+    wh = tmp_path / "warehouse"
+    conn = json.dumps({"conn_type": "http", "host": fake_neuronpedia, "password": "key-from-the-connection"})
+    env = home | {"FEATUREHOUSE_CONFIG": str(tmp_path / "featurehouse.toml"), "NEURONPEDIA_BASE_URL": closed,
+                  "FEATUREHOUSE_WAREHOUSE": str(wh), "AIRFLOW_CONN_NEURONPEDIA_DEFAULT": conn}
+    logical_date = "2026-11-30T03:00:00+00:00"
+    out = airflow(["dags", "test", "featurehouse_nightly", logical_date], env, check=False)
+    log = out.stdout + out.stderr
+    run, by_task = _states(env, logical_date)
+    assert by_task["fetch"] == "success" and run["state"] == "success", log[-3000:]
+    assert "key-from-the-connection" not in log  # the key is sent, never logged
+    run_id = run_id_for(datetime.fromisoformat(logical_date))
+    assert q(wh, "SELECT status, n_loaded FROM runs WHERE run_id = ?", [run_id]) == [("succeeded", 3)]
+
+
 def test_nightly_against_a_closed_port_fails_its_fetch_but_ingests_and_reports(home, tmp_path):
     """Every fetch failed: the fetch task fails (after its retry), ingest and report still run,
     and the run's report says FAIL; a night like this is never all green."""
