@@ -31,7 +31,8 @@ warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00
 9. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
    failed, which marks the run failed once the tasks above have run.
 
-Neuronpedia's address and API key come from the Airflow Connection `neuronpedia_default`
+A manual run can name one source in its params (model, source, indices or via = exports): it
+fetches that instead of the file's sources. Neuronpedia's address and API key come from the Airflow Connection `neuronpedia_default`
 (host with its schema, the key as its password) when there is one; else from
 `NEURONPEDIA_BASE_URL` / `NEURONPEDIA_API_KEY` and featurehouse.toml.
 
@@ -53,7 +54,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pendulum
-from airflow.sdk import Asset, dag, task
+from airflow.sdk import Asset, Param, dag, task
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -212,6 +213,17 @@ default_args = {
     # the next night starts fresh: a night still running after 23 hours is failed (its tasks
     # stopped), what it landed is loaded by a re-run of its window
     dagrun_timeout=timedelta(hours=23),
+    # a manual run ("Trigger DAG" with these filled in) fetches one source instead of the file's
+    params={
+        "model": Param(None, type=["null", "string"], title="model",
+                       description="Neuronpedia model id, e.g. gpt-oss-20b (empty: the sources of featurehouse.toml)"),
+        "source": Param(None, type=["null", "string"], title="source",
+                        description="Source (SAE) id, e.g. 11-resid-post-aa"),
+        "indices": Param(None, type=["null", "string"], title="indices",
+                         description='"start:stop" or indices separated by commas; "all" or empty: every feature'),
+        "via": Param("api", type="string", enum=["api", "exports"], title="via",
+                     description="api (the feature API) or exports (the bulk files)"),
+    },
     default_args=default_args,
     tags=["featurehouse", "neuronpedia", "nightly"],
     doc_md=__doc__,
@@ -221,11 +233,12 @@ def featurehouse_nightly():
     def plan(**context) -> list[dict]:
         from airflow.sdk import conf
 
-        from pipeline.sources.plan import chunks, load_plan, window_for
+        from pipeline.sources.plan import chunks, load_plan, window_for, with_params
 
         base_url, _ = _neuronpedia()
         with _not_transient():
             planned = load_plan(env={**os.environ, "NEURONPEDIA_BASE_URL": base_url} if base_url else None)
+            planned = with_params(planned, dict(context.get("params") or {}))
             out = chunks(planned, window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
         context["ti"].xcom_push(key="warehouse", value=str(planned.warehouse))
         return out

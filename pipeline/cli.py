@@ -553,19 +553,19 @@ def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, inclu
     try:
         r = publish.publish(settings, dest, snapshot=snapshot, at=at, tables=names, formats=formats, url=url,
                             license=license_, include_private=include_private, dry_run=dry_run)
-    except (KeyboardInterrupt, duckdb.Error) as exc:
-        if not stopped and not isinstance(exc, KeyboardInterrupt):
-            raise
-        signum = stopped[0] if stopped else signal.SIGINT
-        click.echo(f"featurehouse: publish {_stopped_by(signum)}: {dest} holds the publication it held before "
-                   "(the next publish removes what this one left); run it again to publish", err=True)
-        sys.exit(128 + signum)
     except (publish.PublishRefused, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         why = "the disk is full" if disk_full(exc) else (exc.strerror or str(exc))
         raise click.ClickException(f"could not publish into {dest}: {why} ({exc.filename or dest}); "
                                    "a publication there before is still whole") from None
+    except (KeyboardInterrupt, duckdb.Error, RuntimeError) as exc:  # DuckDB: 'Query interrupted'
+        if not stopped and not isinstance(exc, KeyboardInterrupt):
+            raise
+        signum = stopped[0] if stopped else signal.SIGINT
+        click.echo(f"featurehouse: publish {_stopped_by(signum)}: {dest} holds the publication it held before "
+                   "(the next publish removes what this one left); run it again to publish", err=True)
+        sys.exit(128 + signum)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

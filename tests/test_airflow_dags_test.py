@@ -156,6 +156,21 @@ def test_nightly_takes_neuronpedia_from_its_airflow_connection(home, tmp_path, f
     assert q(wh, "SELECT status, n_loaded FROM runs WHERE run_id = ?", [run_id]) == [("succeeded", 3)]
 
 
+def test_a_manual_run_fetches_the_source_its_params_name(home, tmp_path):
+    """Issue 45: "Trigger DAG" with params fetches that source and range, not the file's."""
+    import json
+
+    (tmp_path / "featurehouse.toml").write_text(CONFIG)
+    wh = tmp_path / "warehouse"
+    env = home | {"FEATUREHOUSE_CONFIG": str(tmp_path / "featurehouse.toml"), "FEATUREHOUSE_WAREHOUSE": str(wh)}
+    logical_date = "2026-12-01T03:00:00+00:00"
+    conf = json.dumps({"model": "gpt-oss-20b", "source": "11-resid-post-aa", "indices": "70:73"})
+    out = airflow(["dags", "test", "featurehouse_nightly", logical_date, "--conf", conf], env, check=False)
+    run, by_task = _states(env, logical_date)
+    assert run["state"] == "success", (out.stdout + out.stderr)[-3000:]
+    assert [i for (i,) in q(wh, "SELECT feature_index FROM features ORDER BY 1")] == [70, 71, 72]
+
+
 def test_nightly_against_a_closed_port_fails_its_fetch_but_ingests_and_reports(home, tmp_path):
     """Every fetch failed: the fetch task fails (after its retry), ingest and report still run,
     and the run's report says FAIL; a night like this is never all green."""

@@ -392,3 +392,19 @@ def test_the_schema_is_valid_and_the_repo_config_lists_every_key():
         keys = sub.get("properties") or schema["$defs"]["source"]["properties"]
         for key in keys:
             assert re.search(rf"^#? ?{key} = ", text, re.M), f"{section}.{key} is not shown in featurehouse.toml"
+
+
+def test_a_manual_runs_params_name_the_one_source_it_fetches(tmp_path):
+    from pipeline.sources.plan import with_params
+
+    (tmp_path / "fh.toml").write_text('[[sources]]\nmodel = "m"\nsource = "s"\nindices = ["0:5"]\n')
+    planned = load_plan(tmp_path / "fh.toml", env={})
+    assert with_params(planned, {"model": None, "source": "", "via": "api"}) is planned  # nothing named
+    one = with_params(planned, {"model": "gpt-oss-20b", "source": "11-resid-post-aa", "indices": "3:6, 9"})
+    assert [(s.model, s.source, s.ranges) for s in one.sources] == [("gpt-oss-20b", "11-resid-post-aa", ((3, 6), (9, 10)))]
+    assert with_params(planned, {"model": "a", "source": "b"}).sources[0].all_features
+    assert with_params(planned, {"model": "a", "source": "b", "via": "exports"}).sources[0].via == "exports"
+    for bad, says in (({"model": "a"}, "no source"), ({"model": "a", "source": "b", "indices": "x"}, "params"),
+                      ({"model": "a", "source": "b", "via": "ftp"}, "api or exports")):
+        with pytest.raises(ConfigError, match=says):
+            with_params(planned, bad)

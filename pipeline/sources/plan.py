@@ -31,6 +31,7 @@ not stop it.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -485,6 +486,37 @@ def _plan(config_path: Path, values: dict[str, Any], given: dict[tuple[str, str]
             raise ConfigError(f"{s.model}/{s.source} is listed twice; merge its indices into one entry")
         seen.add((s.model, s.source))
     return plan
+
+
+def with_params(plan: Plan, params: dict[str, Any] | None) -> Plan:
+    """``plan`` with its sources replaced by the one a manual run names in its params (Airflow's
+    "trigger with config"): ``model`` and ``source``, and ``indices`` ("start:stop" or indices
+    separated by commas; "all" for every feature) or ``via = "exports"``. Params naming no
+    source leave the plan as it is. A mistake raises :class:`ConfigError` naming the param."""
+    params = {k: v for k, v in (params or {}).items() if v not in (None, "")}
+    if not ({"model", "source"} & set(params)):
+        return plan
+    missing = [k for k in ("model", "source") if not isinstance(params.get(k), str) or not params[k].strip()]
+    if missing:
+        raise ConfigError(f"the run's params name a source but no {' or '.join(missing)} (give model and source)")
+    entry: dict[str, Any] = {"model": params["model"].strip(), "source": params["source"].strip(),
+                             "via": params.get("via") or "api"}
+    if entry["via"] not in ("api", "exports"):
+        raise ConfigError(f"the run's param via is {entry['via']!r}: api or exports")
+    indices = params.get("indices")
+    if entry["via"] == "api":
+        if indices is None or str(indices).strip().lower() == "all":
+            entry["all"] = True
+        else:
+            specs = indices if isinstance(indices, list) else [s.strip() for s in str(indices).split(",") if s.strip()]
+            entry["indices"] = [str(x) for x in specs]
+    elif indices is not None:
+        raise ConfigError("the run's params: exports fetch the whole source; drop indices")
+    try:
+        source = _source(entry, 0)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("[[sources]] #1", "the run's params")) from None
+    return dataclasses.replace(plan, sources=(source,))
 
 
 def settings_of(item: dict[str, Any]) -> Settings:
