@@ -60,9 +60,9 @@ from .stages.load import (
     settle_again,
     upsert_reference,
 )
-from .stages.parse import PAGE_KEY_BYTES, Rejected, first_lines, gunzip_measure, parse_bytes
+from .stages.parse import PAGE_KEY_BYTES, Rejected, first_lines, gunzip_measure, parse_bytes, parse_export_line
 from .stages.receive import Input, iter_inputs
-from .stages.records import ParsedInput
+from .stages.records import InputFormat, ParsedInput
 
 __all__ = ["RunSummary", "ingest", "new_run_id", "PART_BATCHES"]
 
@@ -74,6 +74,8 @@ PART_BATCHES = 100_000
 
 #: The check a quarantined export line failed: it is not a JSON object (cut short, not JSON).
 BAD_LINE_CHECK = "export_line_is_json_object"
+#: An export line that is a JSON object but no record (a key twice, an index that is no integer).
+LINE_RECORD_CHECK = "export_line_is_a_record"
 
 
 class _Unreadable(Exception):
@@ -175,6 +177,7 @@ class _Batch:
         self.fast: list[Landed] = []  # single-line API JSON, left for DuckDB to read
         self.exports: dict[str, list[Landed]] = {}  # gzip export rows by table, left for DuckDB
         self.export_lines: dict[str, int] = {}  # newlines in each export file, by digest
+        self.export_inexact: dict[str, list[int]] = {}  # ... its lines for the Python road (stage.LineCheck)
         self.bad_lines: list[dict[str, Any]] = []  # export lines that are not JSON objects, to quarantine
         self.taken: set[str] = set()  # digests this batch reads
         self.reread: list[str] = []  # of those, landed before (--reprocess, a limit raised, a newer capture)
@@ -538,7 +541,7 @@ class _Run:
         memory: a line that is not a JSON object is quarantined and the rest of its file loads."""
         exports = stage.read_exports(
             self.conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
-                        for t, group in batch.exports.items()}
+                        for t, group in batch.exports.items()}, batch.export_inexact
         )
         for table, group in batch.exports.items():
             for landed in group:
@@ -554,6 +557,30 @@ class _Run:
                      "record_json": orjson.dumps(bad.text).decode()}
                     for bad in exports.bad_lines.get(landed.sha256, ())
                 )
+                self._read_lines_in_python(batch, landed, table, exports.python_lines.get(landed.sha256, ()))
+
+    def _read_lines_in_python(self, batch: _Batch, landed: Landed, table: str, lines: Any) -> None:
+        """An export file's lines that DuckDB's typed read would take otherwise than the Python
+        road (a key twice, a number written as text, ``true`` among the values): each is read
+        as the Python road reads a line, so it has the outcome it has on every road (its record
+        quarantined by the check it fails; a line that is no record, quarantined as such)."""
+        records = ParsedInput(InputFormat.EXPORT_JSONL)
+        for line_no, line in lines:
+            try:
+                parsed = parse_export_line(line, line_no)
+            except Rejected as exc:
+                text = line[:stage.KEPT_BYTES].decode("utf-8", "replace")
+                reason = str(exc).removeprefix(f"line {line_no}: ").removeprefix(f"line {line_no} ")
+                batch.bad_lines.append(
+                    {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
+                     "record_key": f"line {line_no}", "check_name": LINE_RECORD_CHECK,
+                     "detail": f"line {line_no} of {landed.input.origin}: {reason}",
+                     "record_json": orjson.dumps(text).decode()})
+                continue
+            for name in stage.STAGED_TABLES:
+                getattr(records, name).extend(getattr(parsed, name))
+        if any(getattr(records, name) for name in stage.STAGED_TABLES):
+            batch.parsed.append((landed.sha256, records))
 
     def _stage(self, batch: _Batch) -> None:
         """Records parsed in Python join what DuckDB read in the staging tables; the batch's
@@ -963,14 +990,18 @@ class _Run:
         elif (table := _export_table(landed.data or read_landed(landed.path, 1 << 22))) is not None:
             # An export batch: DuckDB streams it from the landing area, however large. It is
             # checked whole first (CRC, end marker, size limit), never held in memory.
+            check = stage.LineCheck(table)  # (lines DuckDB's typed read would take otherwise)
             try:  # on S3 this reads the object once more: the price of never trusting a size
                 with open_landed(landed.path) as stream:
-                    size, lines = gunzip_measure(stream, self.settings.max_decompressed_bytes, PAGE_KEY_BYTES)
+                    size, lines = gunzip_measure(stream, self.settings.max_decompressed_bytes, PAGE_KEY_BYTES,
+                                                 lines=check)
             except Rejected as exc:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
             batch.exports.setdefault(table, []).append(replace(landed, data=None))
             batch.export_lines[landed.sha256] = lines
+            if inexact := check.finish():
+                batch.export_inexact[landed.sha256] = inexact
             batch.n_bytes += size
             if table == "activations":  # one row a line; a file is never split across batches
                 batch.n_activations += lines
@@ -1007,6 +1038,14 @@ class _Run:
             self.summary.n_loaded += 1
             batch.add(replace(landed, data=None), parsed)
             batch.n_bytes += landed.n_bytes
+            kind = next((k for t, k in validate.SUITES.items() if getattr(parsed, t)), "activation")
+            batch.bad_lines.extend(  # lines that are no record, as the export road quarantines them
+                {"input_sha256": landed.sha256, "record_kind": kind, "record_key": f"line {line_no}",
+                 "check_name": LINE_RECORD_CHECK if is_object else BAD_LINE_CHECK,
+                 "detail": f"line {line_no} of {landed.input.origin} {problem}" if not is_object
+                 else f"line {line_no} of {landed.input.origin}: {problem}",
+                 "record_json": orjson.dumps(text).decode()}
+                for line_no, text, problem, is_object in parsed.bad_lines)
 
     def _reject(self, batch: _Batch, landed: Landed, fmt: str, reason: str) -> None:
         self.summary.n_rejected += 1

@@ -241,7 +241,7 @@ def test_two_writers_of_one_file_at_once_record_what_is_held(tmp_path):
     page = _page("v1", datetime(2026, 1, 1), tmp_path / "in1")
     first, second = _start(page, settings), _start(page, settings)
     with _lock_once_running(settings, first):
-        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 6, 120, first)  # both wrote theirs
+        _wait_for(lambda: len(_ours(settings.warehouse) - before) == 6, 300, first)  # both wrote theirs
     for proc in (first, second):
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, out + err

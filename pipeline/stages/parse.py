@@ -118,11 +118,13 @@ def open_gzip(path: Path) -> IO[bytes]:
     return (_igzip or gzip).open(path, "rb")
 
 
-def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes, ...] = ()) -> tuple[int, int]:
+def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes, ...] = (),
+                   lines: Any = None) -> tuple[int, int]:
     """The decompressed size and line count of a gzip file, checked whole (CRC, end marker)
     and within ``limit``, streamed 1 MiB at a time: memory stays flat however large the file.
     A line holding one of ``refuse_keys`` refuses the file (:data:`PAGE_KEY_BYTES`: pages in a
     file of export rows, which the export road would read as rows, dropping the pages' records).
+    ``lines`` (a ``stage.LineCheck``) is fed the decompressed bytes as they come.
 
     Read with ISA-L's gzip (python-isal: 3.3 s for a 1 GiB export batch against 6.3 s with the
     standard library); a file it finds broken is read again with the standard library, whose
@@ -131,7 +133,7 @@ def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes,
     seekable = not hasattr(path, "read") or path.seekable()  # type: ignore[union-attr]
     if _igzip is not None and seekable:
         try:
-            return _measure(_igzip, path, limit, [0], refuse_keys)
+            return _measure(_igzip, path, limit, [0], refuse_keys, lines)
         except Rejected:
             raise
         except Exception:  # noqa: BLE001 - diagnosed below, by the standard library
@@ -139,7 +141,7 @@ def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes,
                 path.seek(0)  # type: ignore[union-attr]
     produced = [0]
     try:
-        return _measure(gzip, path, limit, produced, refuse_keys)
+        return _measure(gzip, path, limit, produced, refuse_keys, lines)
     except EOFError as exc:
         raise Rejected(
             f"gzip stream is truncated: it ended after {_fmt_bytes(produced[0])} of output "
@@ -150,7 +152,9 @@ def gunzip_measure(path: Path | IO[bytes], limit: int, refuse_keys: tuple[bytes,
 
 
 def _measure(module: Any, path: Path | IO[bytes], limit: int, produced: list[int],
-             refuse_keys: tuple[bytes, ...] = ()) -> tuple[int, int]:
+             refuse_keys: tuple[bytes, ...] = (), check: Any = None) -> tuple[int, int]:
+    if check is not None:
+        check.reset()  # a second try (ISA-L found the file broken) starts afresh
     lines = 0
     carry = b""  # the end of the last chunk: a key may straddle two
     with module.open(path, "rb") as f:
@@ -174,6 +178,8 @@ def _measure(module: Any, path: Path | IO[bytes], limit: int, produced: list[int
                 carry = chunk[-width:]
             produced[0] += len(chunk)
             lines += chunk.count(b"\n")
+            if check is not None and produced[0] <= limit:
+                check.feed(chunk)
             if produced[0] > limit:
                 raise Rejected(
                     f"gzip input expands past the {_fmt_bytes(limit)} limit "
@@ -651,22 +657,40 @@ _PAGE_KEYS = frozenset({"activations", "explanations", "model", "source", "sourc
 
 def _parse_jsonl(body: bytes) -> ParsedInput:
     """JSON lines: bulk-export rows, or whole feature pages one per line (each a page, with its
-    activations and explanations); a file mixing the two is refused."""
+    activations and explanations); a file mixing the two is refused.
+
+    In a file of export rows, a line that is no record (not JSON, not an object, a key written
+    twice, an index that is no integer) is set aside in ``bad_lines`` and the rest of the file
+    is read, as DuckDB's export road does; more than ``MAX_BAD_LINES`` such lines refuse it."""
     parsed = ParsedInput(InputFormat.EXPORT_JSONL)
     first_kind: tuple[int, str] | None = None
+    first_error: Rejected | None = None
     for n, line in enumerate(body.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             row = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
-            raise _json_error(exc, f"line {n} of the JSON lines") from exc
+            error = _json_error(exc, f"line {n} of the JSON lines")
+            if first_kind is not None and first_kind[1] == "a whole feature page":
+                raise error from exc
+            first_error = first_error or error
+            parsed.bad_lines.append((n, _kept(line), _bad_json(line, exc), False))
+            continue
         if not isinstance(row, dict):
-            raise Rejected(f"line {n} of the JSON lines is not an object")
+            if first_kind is not None and first_kind[1] == "a whole feature page":
+                raise Rejected(f"line {n} of the JSON lines is not an object")
+            first_error = first_error or Rejected(f"line {n} of the JSON lines is not an object")
+            kind = "an array" if isinstance(row, list) else "a string" if isinstance(row, str) else \
+                "null" if row is None else "a boolean" if isinstance(row, bool) else "a number"
+            parsed.bad_lines.append((n, _kept(line), f"is {kind}, not a JSON object", False))
+            continue
         kind = "a whole feature page" if _PAGE_KEYS & row.keys() else "an export row"
         if first_kind is None:
             first_kind = (n, kind)
             if kind == "a whole feature page":
+                if parsed.bad_lines:  # a file of pages is read whole or refused, as before
+                    raise first_error  # type: ignore[misc]
                 parsed.format = InputFormat.API_JSON
         elif kind != first_kind[1]:
             raise Rejected(
@@ -675,22 +699,105 @@ def _parse_jsonl(body: bytes) -> ParsedInput:
             )
         if kind == "a whole feature page":
             _add_page(parsed, row, f"line {n} of the JSON lines", json_view(line))
-        else:
+            continue
+        try:
+            _check_keys_once(json_view(line), f"line {n}")
             _add_export_row(parsed, row, n)
+        except Rejected as exc:
+            parsed.bad_lines.append((n, _kept(line), str(exc).removeprefix(f"line {n}: ").removeprefix(f"line {n} "), True))
+        if len(parsed.bad_lines) > MAX_BAD_LINES:
+            n0, _, problem, _ = parsed.bad_lines[0]
+            raise Rejected(f"more than {MAX_BAD_LINES:,} of its lines are no records (the first: line {n0} "
+                           f"{problem}); refused whole: it is not a readable export batch")
+    if first_kind is None and first_error is not None:
+        raise first_error  # no line is a record: not an export file with bad lines
+    if parsed.bad_lines and not any(getattr(parsed, t) for t in
+                                    ("models", "source_sets", "sources", "features", "activations", "explanations")):
+        n0, _, problem, _ = parsed.bad_lines[0]  # nothing of it is a record: refused, with the first reason
+        raise Rejected(f"line {n0}: {problem}" if parsed.bad_lines[0][3] else f"line {n0} of the JSON lines {problem}")
+    if parsed.bad_lines and first_kind is not None:
+        parsed.bad_lines = _merge_lines(parsed.bad_lines)
     return parsed
+
+
+#: An export file with more lines that are no records than this is refused whole (as
+#: ``stage.MAX_BAD_LINES`` on the export road).
+MAX_BAD_LINES = 1000
+_KEPT_BYTES = 1 << 16
+
+
+def _kept(line: bytes) -> str:
+    text = line[:_KEPT_BYTES].decode("utf-8", "replace")
+    return text + (f"… ({len(line):,} bytes in all)" if len(line) > _KEPT_BYTES else "")
+
+
+def _bad_json(line: bytes, exc: Exception) -> str:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"is not valid UTF-8 (byte 0x{line[bad.start]:02x} at offset {bad.start})"
+    return f"is not valid JSON ({str(exc).split(':')[0]})"
+
+
+def _merge_lines(bad: list[tuple[int, str, str, bool]]) -> list[tuple[int, str, str, bool]]:
+    """Runs of consecutive bad lines that together hold one JSON object, made one (as
+    ``stage.merge_objects``)."""
+    out: list[tuple[int, str, str, bool]] = []
+    i = 0
+    while i < len(bad):
+        j = i
+        if not bad[i][3] and bad[i][1].lstrip().startswith("{"):
+            while j + 1 < len(bad) and bad[j + 1][0] == bad[j][0] + 1 and not bad[j][1].rstrip().endswith("}"):
+                j += 1
+            if j > i:
+                text = "\n".join(b[1] for b in bad[i:j + 1])
+                try:
+                    whole = type(orjson.loads(text)) is dict
+                except orjson.JSONDecodeError:
+                    whole = False
+                if whole:
+                    out.append((bad[i][0], text[:_KEPT_BYTES], f"is the first of lines {bad[i][0]}–{bad[j][0]}, one "
+                                f"JSON object written over {j - i + 1} lines, not one line (JSON lines hold an "
+                                "object a line)", False))
+                    i = j + 1
+                    continue
+        out.append(bad[i])
+        i += 1
+    return out
 
 
 def _export_key(row: dict, n: int) -> tuple[str | None, str | None, int | None]:
     index = row.get("index")
-    try:
-        idx = None if index is None else int(index)
-    except (TypeError, ValueError):
-        raise Rejected(f"line {n}: feature index {index!r} is not a number") from None
+    if index is None:
+        return row.get("modelId"), row.get("layer"), None
     if isinstance(index, float) and not index.is_integer():
         raise Rejected(f"line {n}: feature index {index!r} is not a whole number")
-    if idx is not None and not -_INT64 <= idx < _INT64:
+    # as parse._int: a number, or ASCII digits ("2_004", " 12" and "1904.0" are no integers)
+    if type(index) is bool or not (isinstance(index, (int, float)) or (isinstance(index, str) and _DIGITS.fullmatch(index))):
+        raise Rejected(f"line {n}: feature index {index!r} is not a number")
+    idx = int(index)
+    if not -_INT64 <= idx < _INT64:
         raise Rejected(f"line {n}: feature index {index!r} is out of range")
     return row.get("modelId"), row.get("layer"), idx
+
+
+def parse_export_line(line: bytes, n: int) -> ParsedInput:
+    """Line ``n`` of a bulk-export file, read as the Python road reads it (a line DuckDB's typed
+    read would take otherwise: ``stage.LineCheck``). Raises :class:`Rejected` for a line that is
+    no record: not a JSON object, a key written twice, an index that is not an integer."""
+    where = f"line {n}"
+    view = json_view(line)
+    if not isinstance(view, _OBJECTS):
+        raise Rejected(f"{where} is not a JSON object")
+    _check_keys_once(view, where)
+    del view
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise _json_error(exc, where) from exc
+    parsed = ParsedInput(InputFormat.EXPORT_JSONL)
+    _add_export_row(parsed, row, n)
+    return parsed
 
 
 def _add_export_row(parsed: ParsedInput, row: dict, n: int) -> None:

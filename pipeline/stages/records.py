@@ -152,6 +152,9 @@ class ParsedInput:
     features: list[Feature] = field(default_factory=list)
     activations: list[Activation] = field(default_factory=list)
     explanations: list[Explanation] = field(default_factory=list)
+    bad_lines: list[tuple[int, str, str, bool]] = field(default_factory=list)
+    """Lines of an export file that are no record, quarantined as the export road does: (line
+    number, text, what is wrong with it, whether it is a JSON object)."""
 
 
 #: Feature fields kept together in ``features.extra`` (JSON; null when a page lacks one).

@@ -53,7 +53,7 @@ from .records import (
 )
 
 __all__ = [
-    "STAGED_TABLES", "read_api_json", "exact_activations", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "stage_parsed", "create_views",
+    "STAGED_TABLES", "read_api_json", "exact_activations", "LineCheck", "KEPT_BYTES", "export_table", "read_exports", "ExportRead", "BadLine", "MAX_BAD_LINES", "merge_objects", "stage_parsed", "create_views",
     "keep_staged", "raw_records", "ExportLines", "plan_export_lines", "cut_export_lines", "drop",
 ]
 
@@ -108,7 +108,6 @@ assert {k for k in _PAGE_COLUMNS if k not in ("tokens", "values", "description")
 
 #: The page's and an activation's fields DuckDB reads as lists of numbers.
 _NUMBER_LISTS = [k for k, t in _PAGE_COLUMNS.items() if t == "DOUBLE[]"]
-_ACTIVATION_NUMBER_LISTS = [k for k, t in _ACTIVATION_FIELDS.items() if t == "DOUBLE[]"]
 
 
 def _numbers_only(v: Any) -> bool:
@@ -124,14 +123,48 @@ def _numbers_only(v: Any) -> bool:
     return type(v) is list and all(type(x) is int or type(x) is float for x in v)
 
 
+def _typed(fields: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """A record's fields DuckDB reads as DOUBLE, as INTEGER/BIGINT and as DOUBLE[]."""
+    return (tuple(k for k, t in fields.items() if t == "DOUBLE"),
+            tuple(k for k, t in fields.items() if t in ("INTEGER", "BIGINT")),
+            tuple(k for k, t in fields.items() if t == "DOUBLE[]"))
+
+
+_ACTIVATION_TYPED = _typed(_ACTIVATION_FIELDS)
+_EXPLANATION_TYPED = _typed(_EXPLANATION_FIELDS)
+_PAGE_TYPED = _typed({k: t for k, t in _PAGE_COLUMNS.items() if k not in ("activations", "explanations")})
+_INDEX_TEXT = re.compile(r"-?[0-9]+")  # parse._DIGITS: an integer written as text
+
+
+def _exact_fields(obj: Any, typed: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]) -> bool:
+    """Whether DuckDB's typed read of an object's fields gives what the Python road makes of
+    them. read_json casts where Python does not: ``"2.5"`` and ``true`` to 2.5 and 1.0 in a
+    DOUBLE or a DOUBLE[], ``3.7`` to 4 in an INTEGER, and its cast of an ``index`` written as
+    text takes ``"2_004"``, ``" 12"`` and ``"1904.0"``; each of these is a value that is not a
+    number (``parse._num``, ``parse._int``) to the Python road, which quarantines its record."""
+    doubles, integers, lists = typed
+    for k in doubles:
+        v = obj.get(k)
+        if v is not None and type(v) is not float and type(v) is not int:
+            return False
+    for k in integers:
+        v = obj.get(k)
+        if v is not None and type(v) is not int:
+            return False
+    index = obj.get("index")
+    if index is not None and type(index) is not int and not (type(index) is str and _INDEX_TEXT.fullmatch(index)):
+        return False
+    return all(_numbers_only(obj.get(k)) for k in lists)
+
+
 def exact_activations(data: bytes) -> int | None:
     """The number of activations of a one-line page whose typed read by DuckDB gives what the
     Python road makes of it; None for a page it would not (the Python road reads it).
 
     The page must pass the structural check both roads run (``parse.check_page``: else the
-    Python road refuses it, with the reason), and its number lists hold only numbers: read_json
-    turns ``"1.5"`` and ``true`` into numbers and ``"x"`` into null, where the Python road finds
-    values that are not numbers. Costs a simdjson parse (~0.25 ms for a 280 KB page) and the
+    Python road refuses it, with the reason), and its typed fields hold what they say
+    (``_exact_fields``): read_json turns ``"1.5"`` and ``true`` into numbers and ``"x"`` into
+    null, where the Python road finds values that are not numbers. Costs a simdjson parse (~0.25 ms for a 280 KB page) and the
     check (~0.4 ms), not a Python object per token or value.
     """
     try:
@@ -151,9 +184,10 @@ def exact_activations(data: bytes) -> int | None:
         if any(unlisted_fields(x.keys(), columns, listed) for x in (page.get(kind) or ())):
             return None
     activations = page.get("activations") or ()
-    if all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS) and all(
-        _numbers_only(a.get(k)) for a in activations for k in _ACTIVATION_NUMBER_LISTS
-    ):
+    if (all(_numbers_only(page.get(k)) for k in _NUMBER_LISTS)
+            and all(_exact_fields(a, _ACTIVATION_TYPED) for a in activations)
+            and all(_exact_fields(e, _EXPLANATION_TYPED) for e in (page.get("explanations") or ()))
+            and all(page.get(k) is None or type(page.get(k)) in (int, float) for k in _PAGE_TYPED[0])):
         return len(activations)
     return None
 
@@ -247,6 +281,70 @@ _EXPORT_COLUMNS: dict[str, dict[str, str]] = {
 _EXPORT_ROW_BASE = 1 << 41  # _row ids of export rows: base + the temp table's rowid
 
 
+_EXPORT_TYPED = {table: _typed(fields) for table, fields in _EXPORT_COLUMNS.items()}
+
+
+class LineCheck:
+    """Finds, in a stream of an export file's bytes, the lines DuckDB's typed read would take
+    otherwise than the Python road: objects that hold a key twice (read_json keeps the first,
+    Python the last; a page with one is refused) or whose typed fields do not hold what they say
+    (``_exact_fields``). Their positions among the file's non-blank lines (from 1, as DuckDB's
+    rows) are in ``inexact``: those lines take the Python road, one line at a time.
+
+    Fed the decompressed bytes in chunks, while the file is measured (``parse.gunzip_measure``),
+    so it costs a simdjson parse a line (~1 CPU-s a GB), not a second decompression. A line that
+    is not JSON, or not an object, is left to the reading that follows (a bad line), as is one
+    longer than ``_MAX_OBJECT``.
+    """
+
+    def __init__(self, table: str) -> None:
+        self.typed = _EXPORT_TYPED[table]
+        self._parser = simdjson.Parser()
+        self.reset()
+
+    def reset(self) -> None:
+        self.inexact: list[int] = []
+        self._pos = 0
+        self._pending = b""
+        self._too_long = False  # inside a line past _MAX_OBJECT: counted once, not parsed
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._pending + chunk).split(b"\n") if self._pending else chunk.split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            if self._too_long:
+                self._too_long = False  # its end: it was counted when it began
+                continue
+            self._line(line)
+        if len(self._pending) >= _MAX_OBJECT:
+            if not self._too_long:
+                self._pos += 1
+                self._too_long = True
+            self._pending = b""
+
+    def finish(self) -> list[int]:
+        if self._pending and not self._too_long:
+            self._line(self._pending)
+        self._pending = b""
+        return self.inexact
+
+    def _line(self, line: bytes) -> None:
+        if not line.strip():
+            return  # read_json skips blank lines: they have no position
+        self._pos += 1
+        try:
+            doc = self._parser.parse(line)
+        except ValueError:
+            return  # not JSON to simdjson: judged by the reading that follows
+        try:
+            if type(doc) is simdjson.Object:
+                keys = list(doc.keys())
+                if len(keys) != len(set(keys)) or not _exact_fields(doc, self.typed):
+                    self.inexact.append(self._pos)
+        finally:
+            del doc  # the parser is reused only once nothing refers to its last document
+
+
 def export_table(first: bytes) -> str | None:
     """Which table a bulk-export JSON-lines file loads, judged by its first line, or None when
     it is not one of the three row kinds (model / source rows take the Python road)."""
@@ -291,18 +389,22 @@ class ExportRead:
     """Digest → the file's lines that are not JSON objects, to quarantine."""
     refused: dict[str, str] = field(default_factory=dict)
     """Digest → why the file is refused whole (nothing of it is staged)."""
+    python_lines: dict[str, list[tuple[int, bytes]]] = field(default_factory=dict)
+    """Digest → ``(line number, line)`` of the file's lines DuckDB would read otherwise than
+    the Python road (``LineCheck``): not in ``fast_export_<table>``, for the Python road."""
 
 
 #: A file with more bad lines than this is refused whole: it is not an export batch with a few
 #: damaged lines but something else (binary after a good first line, another format).
 MAX_BAD_LINES = 1000
 _MAX_OBJECT = 1 << 25  # read_json's maximum_object_size, and the longest line the scan holds
-_KEPT_BYTES = 1 << 16  # of a bad line, kept in quarantine
+KEPT_BYTES = _KEPT_BYTES = 1 << 16  # of a bad line, kept in quarantine
 _PENDING_LINES = 256  # doubtful lines judged by DuckDB at a time ...
 _PENDING_BYTES = 1 << 24  # ... or once they hold this much
 
 
-def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[str, Path, int]]]) -> ExportRead:
+def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[str, Path, int]]],
+                 inexact: dict[str, list[int]] | None = None) -> ExportRead:
     """Read gzip bulk-export files with DuckDB, streaming, into ``fast_export_<table>``.
 
     ``files`` maps a data table to ``(sha256, landed path, number of newlines)`` triples. Every
@@ -311,9 +413,14 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     place; a line cut short can take the good line after it down with it the same way. Only a
     file with such rows (or fewer rows than lines) is looked at again, as a stream: the bad
     lines are returned in ``bad_lines`` for quarantine, and the good lines DuckDB lost are read
-    again. A file with more than ``MAX_BAD_LINES`` bad lines, or one DuckDB cannot read, is
-    refused whole.
+    again. ``inexact`` maps a file to the positions of lines DuckDB would read otherwise than the
+    Python road (``LineCheck``): their rows are removed and the lines returned in
+    ``python_lines``. A file DuckDB cannot read at all for a line in it (an object written over
+    several lines stops read_json, ignore_errors or not) is streamed the same way, its lines
+    that are JSON objects read again. A file with more than ``MAX_BAD_LINES`` bad lines, or one
+    DuckDB cannot read even so, is refused whole.
     """
+    inexact = inexact or {}
     out = ExportRead()
     for table, known in _EXPORT_COLUMNS.items():
         group = files.get(table) or []
@@ -326,9 +433,16 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
         )
         if not group:
             continue
-        out.refused.update(_insert_exports(conn, table, [(sha, path) for sha, path, _ in group], columns))
+        unread = _insert_exports(conn, table, [(sha, path) for sha, path, _ in group], columns)
         # A row without any scalar is the cheap sign (no list is read) of a bad line.
         no_scalar = " AND ".join(f'"{k}" IS NULL' for k, v in columns.items() if not v.endswith("[]"))
+        for sha, path, _ in group:
+            if sha in unread and _GZIP_HINT in unread[sha]:
+                out.refused[sha] = unread[sha]  # not its lines: its gzip stream
+            elif sha in unread:
+                refused = _read_line_by_line(conn, table, sha, path, set(inexact.get(sha, ())), out)
+                if refused:  # DuckDB's own reason for the whole file says more than ours
+                    out.refused[sha] = unread[sha] if refused is _UNREADABLE else refused
         counts = {sha: (n, n_empty) for sha, n, n_empty in conn.execute(
             f"""SELECT input_sha256, count(*), count(*) FILTER (WHERE {no_scalar})
                 FROM fast_export_{table} GROUP BY 1"""
@@ -336,9 +450,12 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
         for sha, path, n_newlines in group:
             if sha in out.refused:
                 continue
+            if sha in unread:
+                out.read.add(sha)  # read line by line
+                continue
             n_rows, n_empty = counts.get(sha, (0, 0))
-            if n_empty or n_rows < n_newlines:
-                refused = _set_bad_lines_aside(conn, table, no_scalar, sha, path, out)
+            if n_empty or n_rows < n_newlines or inexact.get(sha):
+                refused = _set_bad_lines_aside(conn, table, no_scalar, sha, path, out, set(inexact.get(sha, ())))
                 if refused:
                     conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ?", [sha])
                     out.refused[sha] = refused
@@ -374,6 +491,10 @@ def _unknown_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path
     return list(found or [])
 
 
+_GZIP_HINT = ("; DuckDB refuses bytes after the last gzip member, such as zero padding: "
+              "re-download or re-export the file")
+
+
 def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]],
                     columns: dict[str, str] | None = None) -> dict[str, str]:
     """Append the rows of ``group``'s files to ``fast_export_<table>``, each file's in the order
@@ -401,8 +522,7 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
             raise
         if len(group) == 1:
             log.info("DuckDB could not read export file %s: %s", paths[0], exc)
-            hint = ("; DuckDB refuses bytes after the last gzip member, such as zero padding: "
-                    "re-download or re-export the file") if isinstance(exc, duckdb.IOException) else ""
+            hint = _GZIP_HINT if isinstance(exc, duckdb.IOException) else ""
             return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}{hint}"}
         refused: dict[str, str] = {}
         for one in group:
@@ -411,8 +531,64 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
     return {}
 
 
+_UNREADABLE = "DuckDB cannot read its lines that are objects either"
+
+
+def _read_line_by_line(conn: duckdb.DuckDBPyConnection, table: str, sha: str, path: Path, inexact: set[int],
+                       out: ExportRead) -> str | None:
+    """Read a file that DuckDB's read_json refused whole: stream it once, set its bad lines
+    aside, copy its lines that are JSON objects to a file DuckDB then reads (the inexact ones
+    to the Python road). Returns why it is refused whole instead, or None."""
+    fd, name = tempfile.mkstemp(prefix="export-lines-", suffix=".jsonl.gz", dir=_temp_dir(conn))
+    os.close(fd)
+    again = Path(name)
+    try:
+        n_lines, bad, n_again, _, python = _scan_lines(conn, path, _EVERY_LINE, again, inexact)
+        if len(bad) > MAX_BAD_LINES or not n_again + len(python):
+            return _too_many(bad) if bad else _UNREADABLE
+        bad = merge_objects(bad)
+        if n_again and _insert_exports(conn, table, [(sha, again)], {
+                c: t for c, t in _table_columns(conn, f"fast_export_{table}").items() if c not in _EXPORT_EMBEDDING}):
+            return _UNREADABLE
+        (n_now,) = conn.execute(f"SELECT count(*) FROM fast_export_{table} WHERE input_sha256 = ?", [sha]).fetchone()
+        if n_now != n_again:
+            conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ?", [sha])
+            return (f"DuckDB read {n_now:,} rows from its {n_again:,} good lines: refused whole "
+                    "rather than loaded in part")
+        if bad:
+            out.bad_lines[sha] = bad
+        if python:
+            out.python_lines[sha] = python
+        return None
+    finally:
+        again.unlink(missing_ok=True)
+
+
+class _Every:
+    """Every position: a file whose every line is looked at."""
+
+    def __contains__(self, _: object) -> bool:
+        return True
+
+
+_EVERY_LINE: Any = _Every()
+
+
+def _temp_dir(conn: duckdb.DuckDBPyConnection) -> str | None:
+    (tmp_dir,) = conn.execute("SELECT current_setting('temp_directory')").fetchone()
+    if tmp_dir:
+        Path(tmp_dir).mkdir(parents=True, exist_ok=True)
+    return tmp_dir or None
+
+
+def _too_many(bad: list[BadLine]) -> str:
+    first = bad[0]
+    return (f"more than {MAX_BAD_LINES:,} of its lines are not JSON objects (the first: line "
+            f"{first.line_no} {first.problem}); refused whole: it is not a readable export batch")
+
+
 def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar: str, sha: str, path: Path,
-                         out: ExportRead) -> str | None:
+                         out: ExportRead, inexact: set[int] = frozenset()) -> str | None:
     """Put one file's lines that are not JSON objects in ``out.bad_lines`` and replace the rows
     DuckDB made of the lines around them. Returns why the file is refused whole instead, or None.
 
@@ -428,33 +604,40 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
                 FROM fast_export_{table} WHERE input_sha256 = ?)""",
         [sha],
     ).fetchone()
-    (tmp_dir,) = conn.execute("SELECT current_setting('temp_directory')").fetchone()
-    if tmp_dir:
-        Path(tmp_dir).mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix="export-lines-", suffix=".jsonl.gz", dir=tmp_dir or None)
+    fd, name = tempfile.mkstemp(prefix="export-lines-", suffix=".jsonl.gz", dir=_temp_dir(conn))
     os.close(fd)
     again = Path(name)
     try:
-        n_lines, bad, n_again, stray = _scan_lines(conn, path, set(empty or ()), again)
+        n_lines, bad, n_again, stray, python = _scan_lines(conn, path, set(empty or ()) | inexact, again, inexact)
         if len(bad) > MAX_BAD_LINES:
-            first = bad[0]
-            return (f"more than {MAX_BAD_LINES:,} of its lines are not JSON objects (the first: line "
-                    f"{first.line_no} {first.problem}); refused whole: it is not a readable export batch")
+            return _too_many(bad)
         if n_rows != n_lines or stray:  # never seen; refuse rather than load a part blindly
             return (f"DuckDB's reading of it does not line up with its lines ({n_rows:,} rows from "
                     f"{n_lines:,} non-blank lines, {len(bad):,} of them not JSON objects): refused whole "
                     "rather than loaded in part")
+        if python:  # by position, before any row is removed: the rows are in the order of the lines
+            conn.execute(
+                f"""DELETE FROM fast_export_{table} WHERE rowid IN (
+                        SELECT rowid FROM (SELECT rowid, row_number() OVER (ORDER BY rowid) AS pos
+                                           FROM fast_export_{table} WHERE input_sha256 = $sha)
+                        WHERE pos IN (SELECT unnest($pos::BIGINT[])))""",
+                {"sha": sha, "pos": [p for p, _, _ in python]})
+            out.python_lines[sha] = [(n, line) for _, n, line in python]
         if not bad:
             return None  # its rows without a scalar are objects without one: they are validated
         conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ? AND {no_scalar}", [sha])
+        n_bad_lines = len(bad)
+        bad = merge_objects(bad)
         if n_again:
             refused = _insert_exports(conn, table, [(sha, again)], {
                 c: t for c, t in _table_columns(conn, f"fast_export_{table}").items() if c not in _EXPORT_EMBEDDING})
             if refused:
                 return refused[sha]
         (n_now,) = conn.execute(f"SELECT count(*) FROM fast_export_{table} WHERE input_sha256 = ?", [sha]).fetchone()
-        if n_now != n_lines - len(bad):
-            return (f"DuckDB read {n_now:,} rows from its {n_lines - len(bad):,} good lines: refused whole "
+        n_good = n_lines - n_bad_lines - len(python)
+        if n_now != n_good:
+            out.python_lines.pop(sha, None)
+            return (f"DuckDB read {n_now:,} rows from its {n_good:,} good lines: refused whole "
                     "rather than loaded in part")
         out.bad_lines[sha] = bad
         return None
@@ -462,19 +645,21 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
         again.unlink(missing_ok=True)
 
 
-def _scan_lines(conn: duckdb.DuckDBPyConnection, src: Path, trouble: set[int],
-                again: Path) -> tuple[int, list[BadLine], int, bool]:
+def _scan_lines(conn: duckdb.DuckDBPyConnection, src: Path, trouble: set[int], again: Path,
+                inexact: set[int] = frozenset()) -> tuple[int, list[BadLine], int, bool, list[tuple[int, int, bytes]]]:
     """Stream gzip JSON-lines ``src`` once, one line in memory at a time.
 
     ``trouble`` holds positions among the non-blank lines (from 1). Returns the number of
     non-blank lines; those that are not JSON objects (up to ``MAX_BAD_LINES + 1``); how many
-    lines at a ``trouble`` position are objects, copied to gzip ``again``; and whether a bad
-    line was found at another position. simdjson passes the lines that are plainly objects; the
+    lines at a ``trouble`` position are objects, copied to gzip ``again``; whether a bad line
+    was found at another position; and the ``(position, line number, line)`` of the objects at
+    an ``inexact`` position (part of ``trouble``), which are not copied. simdjson passes the lines that are plainly objects; the
     others are judged by DuckDB's own JSON parser, the one read_json uses (it also takes NaN,
     Infinity and trailing commas).
     """
     parser = simdjson.Parser()
     bad: list[BadLine] = []
+    python: list[tuple[int, int, bytes]] = []
     doubtful: list[tuple[int, int, bytes]] = []  # position, line number, line
     n_again = pos = line_no = held = 0
     stray = False
@@ -487,6 +672,8 @@ def _scan_lines(conn: duckdb.DuckDBPyConnection, src: Path, trouble: set[int],
                 if n in judged:
                     bad.append(judged[n])
                     stray = stray or p not in trouble
+                elif p in inexact:
+                    python.append((p, n, line.rstrip(b"\r\n")))
                 elif p in trouble:
                     copy.write(line if line.endswith(b"\n") else line + b"\n")
                     n_again += 1
@@ -525,7 +712,7 @@ def _scan_lines(conn: duckdb.DuckDBPyConnection, src: Path, trouble: set[int],
                     break
         settle()
     bad.sort(key=lambda b: b.line_no)
-    return pos, bad[: MAX_BAD_LINES + 1], n_again, stray
+    return pos, bad[: MAX_BAD_LINES + 1], n_again, stray, python
 
 
 _JSON_TYPES = {"ARRAY": "an array", "VARCHAR": "a string", "BIGINT": "a number", "UBIGINT": "a number",
@@ -565,6 +752,35 @@ def _judge(conn: duckdb.DuckDBPyConnection, lines: list[tuple[int, bytes]]) -> l
                 problem = f"is {_JSON_TYPES.get(kind, kind.lower())}, not a JSON object"
             bad.append(BadLine(line_no, kept, problem))
     return sorted(bad, key=lambda b: b.line_no)
+
+
+def merge_objects(bad: list[BadLine]) -> list[BadLine]:
+    """Bad lines (sorted) with each run of consecutive lines that together hold one JSON object
+    (one written over several lines, as ``json.dumps(indent=2)`` writes it) made one bad line:
+    one record lost, quarantined once, not one entry a line of it."""
+    out: list[BadLine] = []
+    i = 0
+    while i < len(bad):
+        j = i
+        if bad[i].text.lstrip().startswith("{"):
+            while j + 1 < len(bad) and bad[j + 1].line_no == bad[j].line_no + 1 and not bad[j].text.rstrip().endswith("}"):
+                j += 1
+            if j > i:
+                text = "\n".join(b.text for b in bad[i:j + 1])
+                try:
+                    whole = type(orjson.loads(text)) is dict
+                except orjson.JSONDecodeError:
+                    whole = False
+                if whole:
+                    out.append(BadLine(bad[i].line_no, text[:_KEPT_BYTES], f"is the first of lines {bad[i].line_no}–"
+                                       f"{bad[j].line_no}, one JSON object written over {j - i + 1} lines, not one "
+                                       "line (JSON lines hold an object a line)"))
+                    i = j + 1
+                    continue
+                j = i
+        out.append(bad[i])
+        i += 1
+    return out
 
 
 def _first_line(exc: BaseException) -> str:
