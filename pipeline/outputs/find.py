@@ -56,6 +56,7 @@ import duckdb
 
 from ..config import Settings
 from ..lake import warehouse as warehouse_mod
+from .text import rounded, visible_token
 
 __all__ = [
     "Finder", "Found", "FindIndexMissing", "FindIndexDamaged", "FindIndexForeign", "FindIndexUnwritable",
@@ -1220,14 +1221,16 @@ def _render_text(view: FeatureView) -> str:
     out = [f"feature {view.key}"]
     f = view.feature or {}
     if f:
-        out.append(f"  max activation (approx.) {f.get('max_act_approx')}, firing density {f.get('frac_nonzero')}")
+        out.append(f"  max activation (approx.) {rounded(f.get('max_act_approx'))}, "
+                   f"firing density {rounded(f.get('frac_nonzero'))}")
         if f.get("pos_str"):
             out.append("  top positive logits: " + ", ".join(repr(t) for t in f["pos_str"][:10]))
     out.append("statistics per data source:")
     for s in view.stats:
-        out.append(f"  {s['data_source'] or '(no data source)'}: {s['n_examples']} excerpts, max {s['max_activation']}, "
-                   f"mean peak {s['mean_max_activation']}, active tokens {s['n_active_tokens']} "
-                   f"({s['active_token_fraction']}), top tokens {s['top_tokens']}")
+        out.append(f"  {s['data_source'] or '(no data source)'}: {s['n_examples']} excerpts, "
+                   f"max {rounded(s['max_activation'])}, mean peak {rounded(s['mean_max_activation'])}, "
+                   f"active tokens {rounded(s['n_active_tokens'])} ({rounded(s['active_token_fraction'])}), "
+                   f"top tokens {s['top_tokens']}")
     if not view.stats:
         out.append("  (no activations loaded)")
     out.append("explanations:")
@@ -1239,7 +1242,7 @@ def _render_text(view: FeatureView) -> str:
     out.append("top excerpts (the peak token in [[ ]]):")
     for e in view.excerpts:
         toks = [("[[" + t + "]]" if i == e["peak"] else t) for i, t in enumerate(e["tokens"] or [])]
-        out.append(f"  {e['max_value']:>8}  {e['data_source'] or '-':<9} " + "".join(toks).replace("\n", "⏎"))
+        out.append(f"  {rounded(e['max_value']):>8}  {e['data_source'] or '-':<9} " + "".join(toks).replace("\n", "⏎"))
     out.append("nearest features:")
     if view.neighbours is not None and view.neighbours.rows:
         for m, s, i, sim, basis, d in view.neighbours.rows:
@@ -1253,16 +1256,25 @@ def _render_text(view: FeatureView) -> str:
 
 def render_html(view: FeatureView) -> str:
     """``show``'s answer as one self-contained HTML page (no script, no external file): each
-    excerpt's tokens shaded by their activation relative to the feature's largest, the peak
-    token outlined, the value in each token's title. Text from the warehouse is escaped for
-    HTML, its control characters and bidirectional overrides written as visible escapes (as
-    :func:`printable` prints them), and isolated (``<bdi>``, ``unicode-bidi: isolate``) so a
-    right-to-left run cannot reorder what stands around it."""
+    excerpt headed by its data source and its largest activation, its tokens shaded by their
+    activation relative to the feature's largest, the peak token outlined, the value in each
+    token's title. Tokens are written as the report and the web app write them (a leading or
+    trailing space as ␣, a newline as ↵: " CPU" and "CPU" differ), numbers rounded for people
+    (``text.rounded``). Text from the warehouse is escaped for HTML, its control characters and
+    bidirectional overrides written as visible escapes (as :func:`printable` prints them), and
+    isolated (``<bdi>``, ``unicode-bidi: isolate``) so a right-to-left run cannot reorder what
+    stands around it."""
+
     def esc(text: Any) -> str:  # in an attribute or the title
         return html.escape(printable(str(text)))
 
     def bdi(text: Any) -> str:  # in the page's text
         return f"<bdi>{esc(text)}</bdi>"
+
+    def tok(token: str | None) -> str:  # a token, its spaces and newlines visible
+        return esc(visible_token(token))
+
+    num = rounded
     top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
     parts = [f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
 <title>{esc(view.key)} — featurehouse</title>
@@ -1270,39 +1282,52 @@ def render_html(view: FeatureView) -> str:
 body {{ font: 15px/1.5 system-ui, sans-serif; margin: 2rem; color: #1d1d1f; max-width: 70rem; }}
 h1 {{ font-size: 1.3rem; }} h2 {{ font-size: 1.05rem; margin-top: 1.6rem; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: .2rem .6rem; border-bottom: 1px solid #ddd; text-align: left; }}
-.excerpt {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; margin: .4rem 0; padding: .3rem; border: 1px solid #eee; }}
+td.num, th.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
+.excerpt {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; margin: .1rem 0 .8rem; padding: .3rem; border: 1px solid #eee; }}
+.excerpt-head {{ font-size: 13px; color: #555; }} .hint {{ font-size: 13px; color: #555; }}
 .tok {{ border-radius: 2px; unicode-bidi: isolate; }} bdi, code {{ unicode-bidi: isolate; }} .peak {{ outline: 2px solid #b3261e; }}
 .note {{ color: #8a5a00; }}
 </style></head><body>
 <h1>Feature {bdi(view.key)}</h1>"""]
     f = view.feature or {}
     if f:
-        parts.append(f"<p>Max activation (approx.) {esc(str(f.get('max_act_approx')))}; firing density "
-                     f"{esc(str(f.get('frac_nonzero')))}.</p>")
+        parts.append(f'<p>Max activation (approx.) <b class="max-act">{esc(num(f.get("max_act_approx")))}</b>; '
+                     f'firing density <b class="density">{esc(num(f.get("frac_nonzero")))}</b> '
+                     "(the share of all tokens on which it fires).</p>")
         if f.get("pos_str"):
-            parts.append("<p>Top positive logits: " + ", ".join(f"<code>{bdi(t)}</code>" for t in f["pos_str"][:10]) + "</p>")
-    parts.append("<h2>Statistics per data source</h2><table><tr><th>data source</th><th>excerpts</th>"
-                 "<th>max activation</th><th>mean peak</th><th>active tokens</th><th>top tokens</th></tr>")
+            parts.append("<p>Top positive logits: "
+                         + ", ".join(f"<code><bdi>{tok(t)}</bdi></code>" for t in f["pos_str"][:10]) + "</p>")
+    parts.append('<h2>Statistics per data source</h2><table class="stats"><tr><th>data source</th>'
+                 '<th class="num">excerpts</th><th class="num">max activation</th><th class="num">mean peak</th>'
+                 '<th class="num">active tokens</th><th>top tokens</th></tr>')
     for s in view.stats:
-        parts.append(f"<tr><td>{bdi(s['data_source'] or '(none)')}</td><td>{s['n_examples']}</td><td>{s['max_activation']}</td>"
-                     f"<td>{s['mean_max_activation']}</td><td>{s['n_active_tokens']}</td>"
-                     f"<td>{', '.join(bdi(t) for t in s['top_tokens'] or [])}</td></tr>")
+        parts.append(f"<tr><td>{bdi(s['data_source'] or '(none)')}</td><td class=\"num\">{esc(num(s['n_examples']))}</td>"
+                     f"<td class=\"num\">{esc(num(s['max_activation']))}</td>"
+                     f"<td class=\"num\">{esc(num(s['mean_max_activation']))}</td>"
+                     f"<td class=\"num\">{esc(num(s['n_active_tokens']))}</td>"
+                     f"<td>{', '.join(f'<code><bdi>{tok(t)}</bdi></code>' for t in s['top_tokens'] or [])}</td></tr>")
     parts.append("</table><h2>Explanations</h2><ul class=\"explanations\">")
     for e in view.explanations:
         parts.append(f"<li>{bdi((e['description'] or '').strip())} <small>({bdi(e['explanation_model'] or '?')})</small></li>")
-    parts.append("</ul><h2>Top excerpts</h2>")
+    parts.append("</ul><h2>Top excerpts</h2>"
+                 '<p class="hint">each headed by its data source and its largest activation; each token shaded by '
+                 "its activation against the feature's largest (hover a token for its value), the peak outlined; "
+                 "␣ is a space, ↵ a newline, ⇥ a tab</p>")
     for e in view.excerpts:
         spans = []
         for i, (t, v) in enumerate(zip(e["tokens"] or [], e["values"] or [])):
             alpha = max(0.0, min(1.0, (v or 0) / top))
             cls = "tok peak" if i == e["peak"] else "tok"
-            spans.append(f'<span class="{cls}" data-activation="{v}" title="{v}" '
-                         f'style="background: rgba(255, 120, 0, {alpha:.3f})">{esc(t)}</span>')
+            spans.append(f'<span class="{cls}" data-activation="{v}" title="{esc(num(v))}" '
+                         f'style="background: rgba(255, 120, 0, {alpha:.3f})">{tok(t)}</span>')
+        parts.append(f'<div class="excerpt-head"><span class="data-source">{bdi(e["data_source"] or "(no data source)")}'
+                     f'</span> · max activation <b class="excerpt-max">{esc(num(e["max_value"]))}</b></div>')
         parts.append(f'<div class="excerpt" data-max="{e["max_value"]}">' + "".join(spans) + "</div>")
-    parts.append("<h2>Nearest features</h2><table class=\"neighbours\"><tr><th>feature</th><th>similarity</th>"
+    parts.append("<h2>Nearest features</h2><table class=\"neighbours\"><tr><th>feature</th><th class=\"num\">similarity</th>"
                  "<th>basis</th><th>description</th></tr>")
     for m, s, i, sim, basis, d in (view.neighbours.rows if view.neighbours is not None else []):
-        parts.append(f"<tr><td>{bdi(f'{m}/{s}/{i}')}</td><td>{sim:.4f}</td><td>{esc(basis)}</td><td>{bdi((d or '').strip())}</td></tr>")
+        parts.append(f"<tr><td>{bdi(f'{m}/{s}/{i}')}</td><td class=\"num\">{esc(num(sim))}</td><td>{esc(basis)}</td>"
+                     f"<td>{bdi((d or '').strip())}</td></tr>")
     if view.neighbours is None or not view.neighbours.rows:
         parts.append('<tr><td colspan="4">(no other feature to compare it with)</td></tr>')
     parts.append("</table>")

@@ -36,6 +36,7 @@ from ..lake.landing import disk_full
 from ..names import BadRunId, check_run_id
 from ..stages import validate
 from . import draw
+from .text import rounded, visible_token
 
 __all__ = ["VERDICT_RULES", "Verdict", "verdict", "recent_runs", "write_report", "report_run", "NoRuns",
            "RunNotFound", "warm_charts"]
@@ -746,11 +747,10 @@ def _env():
     # The one thing marked |safe is the charts' SVG, which Vega writes with its text escaped.
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_TEMPLATES)), bytecode_cache=_bytecode_cache(),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True)
-    env.filters["num"] = lambda v: "–" if v is None else (f"{v:,.0f}" if float(v) == int(v) else f"{v:,.3g}")
+    # numbers and tokens written as the feature card and the web app write them (text.py)
+    env.filters["num"] = rounded
+    env.filters["tok"] = visible_token
     env.filters["pct"] = lambda v, d=1: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}%"
-    env.filters["frac"] = lambda v: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else (
-        f"{v:.2e}" if 0 < abs(v) < 1e-3 else f"{v:.4f}")
-    env.filters["act"] = lambda v: "–" if v is None else f"{v:,.2f}"
     env.filters["when"] = lambda t: "–" if t is None else f"{t:%Y-%m-%d %H:%M:%S} UTC"
     env.filters["bytes"] = _human_bytes
     env.filters["short"] = _short

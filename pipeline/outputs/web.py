@@ -37,6 +37,7 @@ import duckdb
 from ..config import Settings
 from ..lake import warehouse as warehouse_mod
 from . import find
+from .text import rounded, visible_token
 
 log = logging.getLogger(__name__)
 
@@ -55,34 +56,7 @@ SORTS = {"index": "feature_index", "max": "max_act_approx DESC NULLS LAST, featu
          "quarantined": "n_quarantined DESC, feature_index"}
 
 
-def visible_token(token: str | None) -> str:
-    """A token as a person can tell it apart: leading and trailing spaces as ␣, newlines as ↵,
-    tabs as ⇥ (" CPU" and "CPU" differ)."""
-    if token is None:
-        return ""
-    t = token.replace("\n", "↵").replace("\t", "⇥")
-    core = t.strip(" ")
-    lead, trail = len(t) - len(t.lstrip(" ")), len(t) - len(t.rstrip(" "))
-    if not core:
-        return "␣" * len(t)
-    return "␣" * lead + core + "␣" * trail
-
-
-def _round(v: Any, digits: int = 3) -> str:
-    """A number for people: 3 significant digits, no 3.347874052815106e-05."""
-    if v is None:
-        return "–"
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return str(v)
-    if isinstance(v, int):
-        return f"{v:,}"
-    if math.isnan(v) or math.isinf(v):
-        return str(v)
-    if v == 0:
-        return "0"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}g}"
+_round = rounded  # one way to write a number for people: the report's, the card's (text.py)
 
 
 class _State:

@@ -1,0 +1,47 @@
+"""How the pages people read write a token and a number: the run report, the feature card
+(``show --html``) and the web app show them alike.
+
+``featurehouse serve`` (``web.py``) imports these two too.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from decimal import Decimal
+from typing import Any
+
+__all__ = ["visible_token", "rounded"]
+
+
+def visible_token(token: str | None) -> str:
+    """A token as a person can tell it apart: leading and trailing spaces as ␣, newlines as ↵,
+    tabs as ⇥ (" CPU" and "CPU" differ). Not escaped for HTML: the caller escapes it."""
+    if token is None:
+        return ""
+    t = token.replace("\n", "↵").replace("\t", "⇥")
+    core = t.strip(" ")
+    lead, trail = len(t) - len(t.lstrip(" ")), len(t) - len(t.rstrip(" "))
+    if not core:
+        return "␣" * len(t)
+    return "␣" * lead + core + "␣" * trail
+
+
+def rounded(v: Any, digits: int = 3) -> str:
+    """A number for people: whole numbers with thousands separators, others to ``digits``
+    significant digits (``3.35e-05``, not ``3.347874052815106e-05``; ``12.3``; ``1,235``);
+    None as a dash. What is not a number is written as it is."""
+    if v is None:
+        return "–"
+    if isinstance(v, bool) or not isinstance(v, (numbers.Real, Decimal)):
+        return str(v)
+    if isinstance(v, numbers.Integral):  # numpy's and DuckDB's integers too
+        return f"{int(v):,}"
+    v = float(v)
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    if v == 0:
+        return "0"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}g}"
