@@ -1198,6 +1198,16 @@ _verbose_everywhere(cli)
 def main() -> None:
     try:
         cli(prog_name="featurehouse")
+    except Exception as exc:  # a PostgreSQL catalog that stopped: one line, no traceback, no password
+        from .lake import catalog_down
+
+        line = catalog_down.said(exc)
+        if line is None:
+            raise
+        click.echo(f"Error: {line}", err=True)
+        for note in getattr(exc, "__notes__", ()):  # how the run was recorded, if it was
+            click.echo(catalog_down.redact(note), err=True)
+        sys.exit(1)
     finally:
         _teardown_signals()
         # The command is done and has closed what it opened; what is left is the interpreter's

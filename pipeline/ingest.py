@@ -33,7 +33,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from .config import Settings
-from .lake import runstate, s3, warehouse
+from .lake import catalog_down, runstate, s3, warehouse
 from .lake.landing import disk_full, landed_path, open_landed, read_landed
 from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
@@ -60,7 +60,14 @@ from .stages.load import (
     settle_again,
     upsert_reference,
 )
-from .stages.parse import PAGE_KEY_BYTES, Rejected, first_lines, gunzip_measure, parse_bytes, parse_export_line
+from .stages.parse import (
+    PAGE_KEY_BYTES,
+    Rejected,
+    first_lines,
+    gunzip_measure,
+    parse_bytes,
+    parse_export_line,
+)
 from .stages.receive import Input, iter_inputs
 from .stages.records import InputFormat, ParsedInput
 
@@ -1142,16 +1149,21 @@ def ingest(
                 conn.execute("ROLLBACK")
             with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
                 conn.execute(f"USE {warehouse.CATALOG}")
+            catalog_gone = settings.catalog_url.startswith("postgres:") and catalog_down.said(exc, settings.catalog_url) is not None
             try:
-                runstate.finish_run(conn, settings, summary, error=f"{type(exc).__name__}: {exc}")
+                runstate.finish_run(conn, settings, summary,
+                                    error=catalog_down.redact(f"{type(exc).__name__}: {exc}"))
                 exc.add_note(f"run {run_id} is recorded as failed")
             except Exception as record_exc:
-                log.error("could not record that run %s failed", run_id, exc_info=not disk_full(record_exc))
-                exc.add_note(f"run {run_id} could not be recorded as failed ({str(record_exc).splitlines()[0]}); "
+                log.error("could not record that run %s failed", run_id,
+                          exc_info=not (disk_full(record_exc) or catalog_gone))
+                exc.add_note(f"run {run_id} could not be recorded as failed "
+                             f"({catalog_down.redact(str(record_exc).splitlines()[0])}); "
                              "the next ingest on this host records it as abandoned")
-            # none can be written on a full disk; nor is one wanted by a signal that stopped the
-            # run (inside a DuckDB statement it arrives as an Exception, "Query interrupted")
-            if report_after and isinstance(exc, Exception) and not disk_full(exc) and not came:
+            # none can be written on a full disk or without the catalog; nor is one wanted by a
+            # signal that stopped the run (inside a DuckDB statement it arrives as an Exception,
+            # "Query interrupted")
+            if report_after and isinstance(exc, Exception) and not disk_full(exc) and not came and not catalog_gone:
                 write_run_report(conn, summary, settings)
             conn.close()
             raise
@@ -1185,6 +1197,10 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
         summary.report_path = str(path)
         runstate.record_report(conn, settings, summary.run_id, path)
     except Exception as exc:
+        if settings.catalog_url.startswith("postgres:") and (line := catalog_down.said(exc, settings.catalog_url)) is not None:
+            log.error("could not write the report for run %s: %s; then `featurehouse report --run %s`",
+                      summary.run_id, line, summary.run_id)
+            return
         if not disk_full(exc):
             log.exception("could not write the report for run %s", summary.run_id)
             return

@@ -288,3 +288,59 @@ def test_a_catalog_said_read_only_while_being_made_is_looked_at_again(tmp_path, 
     if conn is not None:
         assert conn.execute("SELECT count(*) FROM duckdb_databases() WHERE database_name = 'catalog_probe'"
                             ).fetchone() == (0,)
+
+
+def _stop_postgres(catalog: str) -> None:
+    """Stop (immediately, as a crash) the throwaway cluster that serves ``catalog``: the data
+    folder whose postmaster.pid names its port."""
+    import glob
+    import re
+
+    from tests.airflow_helpers import _as_postgres, pg_bin
+
+    port = re.search(r"port=(\d+)", catalog)[1]
+    for pid_file in glob.glob("/tmp/featurehouse-pg-*/data/postmaster.pid"):
+        lines = Path(pid_file).read_text().splitlines()
+        if len(lines) > 3 and lines[3].strip() == port:
+            subprocess.run(_as_postgres([str(pg_bin() / "pg_ctl"), "-D", str(Path(pid_file).parent), "-m",
+                                         "immediate", "-w", "stop"]), capture_output=True, timeout=60, check=True)
+            return
+    raise AssertionError(f"no cluster on port {port}")
+
+
+@pytest.mark.postgres
+def test_a_postgresql_catalog_that_stops_is_said_in_one_line_without_its_password(tmp_path):
+    """Issue 41 item 7: with PostgreSQL stopped, every command ended in a traceback whose last
+    line echoed the libpq string, password included; an ingest it stopped under logged two
+    tracebacks more. Now: one line naming the server, what to do, and that nothing half-done
+    was committed."""
+    import time
+
+    from tests.airflow_helpers import pg_bin, postgres_cluster
+    from tests.test_concurrency import pages
+
+    if pg_bin() is None:
+        pytest.fail("PostgreSQL is not installed: .ci/run installs it (apt-get install postgresql)")
+    many = pages(tmp_path / "many", range(0, 400))
+    with postgres_cluster() as pg:
+        env = {"FEATUREHOUSE_CATALOG": pg.catalog}
+        wh_dir = str(tmp_path / "wh")
+        assert fh("ingest", str(SEED_FLIGHT), "--warehouse", wh_dir, "--no-progress", env=env).returncode == 0
+        proc = subprocess.Popen([str(FEATUREHOUSE), "ingest", str(many), "--warehouse", wh_dir, "--no-progress"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "wh" / "landing").rglob("*")) or len(list((tmp_path / "wh" / "landing").rglob("*"))) < 50:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        _stop_postgres(pg.catalog)
+        _, err = proc.communicate(timeout=300)
+        runs = [("during an ingest", proc.returncode, err)]
+        for args in (("status",), ("sql", "SELECT count(*) FROM features"), ("ingest", str(SEED_FLIGHT)),
+                     ("search", "cpu"), ("history", "gpt-oss-20b/11-resid-post-aa/0")):
+            r = fh(*args, "--warehouse", wh_dir, env=env)
+            runs.append((args[0], r.returncode, r.stderr))
+    for what, rc, err in runs:
+        assert rc == 1, (what, err)
+        assert "Traceback" not in err and "password=airflow" not in err and "airflow@" not in err, (what, err)
+        assert "the warehouse's PostgreSQL catalog (127.0.0.1:" in err and "database featurehouse" in err, (what, err)
+        assert "Start PostgreSQL" in err, (what, err)
