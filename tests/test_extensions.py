@@ -1,12 +1,13 @@
-"""The DuckDB extensions featurehouse loads from their wheels: each file's signature is checked
-once per process (DuckDB hashes the whole file at a LOAD: 0.3-1 s for ducklake's 36 MB, paid at
-every open before) and not again in a later process while the file is the same one (recorded in
-the user's cache folder), and a file that is not the signed one is refused, never loaded."""
+"""The DuckDB extensions featurehouse loads, offline, with DuckDB's own trust: each wheel's file
+is signed with DuckDB's core key; it is installed from the wheel into this user's extension
+folder (DuckDB checks the signature before it writes a byte) and loaded from there by name
+(checked again at each load); no connection the library opens allows unsigned extensions or
+downloads one, and a file that is not the signed one is refused, never loaded."""
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,191 +15,212 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from pipeline.config import Settings
+from pipeline.lake import extensions as ext
 from pipeline.lake import warehouse as wh
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """Checks recorded in this test's own cache folder, and none made by this process yet."""
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """An extension folder of this test's own, empty, and nothing installed by this process yet."""
     monkeypatch.setenv("FEATUREHOUSE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(wh, "_VERIFIED", set())
+    monkeypatch.setattr(ext, "_INSTALLED", {})
+    return tmp_path / "cache" / "duckdb-extensions"
 
 
-def counting_checks(monkeypatch) -> list:
-    """The connections that check a signature (opened without ``allow_unsigned_extensions``)."""
-    checked = []
+@pytest.fixture(scope="module")
+def warehouse(tmp_path_factory) -> Path:
+    """An empty warehouse (its schema, no rows)."""
+    path = tmp_path_factory.mktemp("ext") / "wh"
+    wh.connect(path, create=True).close()
+    return path
+
+
+def tampered_copy(name: str, folder: Path) -> Path:
+    """A copy of the wheel's file of ``name`` with one byte of its code changed (not of the
+    signature at its end)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    bad = folder / f"{name}.duckdb_extension"
+    data = bytearray(Path(ext.extension_path(name)).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    return bad
+
+
+def settings_of(conn: duckdb.DuckDBPyConnection) -> dict[str, str]:
+    return dict(conn.execute("SELECT name, value FROM duckdb_settings() WHERE name IN ('allow_unsigned_extensions', "
+                             "'allow_community_extensions', 'autoinstall_known_extensions')").fetchall())
+
+
+SAFE = {"allow_unsigned_extensions": "false", "allow_community_extensions": "false",
+        "autoinstall_known_extensions": "false"}
+
+
+def test_every_wheel_carries_a_file_signed_with_duckdbs_core_key():
+    """What the rest stands on: DuckDB's default checks (and core keys only) accept each file."""
+    for name in ext.WHEELS:
+        with duckdb.connect(config={"autoinstall_known_extensions": False, "allow_community_extensions": False}) as c:
+            assert settings_of(c)["allow_unsigned_extensions"] == "false"
+            c.execute(f"LOAD '{ext.extension_path(name)}'")
+            assert c.execute("SELECT loaded FROM duckdb_extensions() WHERE extension_name = ?", [name]).fetchone() == (
+                True,)
+
+
+def test_no_connection_the_library_opens_allows_unsigned_extensions_or_downloads(warehouse, monkeypatch):
+    seen = []
     real_connect = duckdb.connect
 
     def connect(*args, **kw):
-        if not kw.get("config", {}).get("allow_unsigned_extensions"):
-            checked.append(kw)
-        return real_connect(*args, **kw)
+        conn = real_connect(*args, **kw)
+        seen.append(settings_of(conn))
+        return conn
 
     monkeypatch.setattr(duckdb, "connect", connect)
-    return checked
+    settings = Settings.from_env(warehouse=warehouse)
+    wh.connect(settings, read_only=True).close()
+    wh.connect(settings).close()
+    wh._catalog_state(settings)  # a probe of its own
+    ext.new_connection(["fts"]).close()
+    assert len(seen) >= 4
+    assert all(s == SAFE for s in seen), seen
 
 
-def test_a_tampered_extension_file_is_refused(tmp_path, monkeypatch):
-    good = wh.extension_path("sqlite_scanner")
-    bad = tmp_path / "sqlite_scanner.duckdb_extension"
-    shutil.copyfile(good, bad)
-    data = bytearray(bad.read_bytes())
-    data[len(data) // 2] ^= 0xFF  # one byte of the code, not of the signature at the end
-    bad.write_bytes(bytes(data))
-    monkeypatch.setattr(wh, "extension_path", lambda name: str(bad))
+def test_featurehouse_sql_runs_with_signature_checks_on(warehouse, own_cache):
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "sql", "--warehouse", str(warehouse), "--format", "csv",
+         "SELECT current_setting('allow_unsigned_extensions') AS u, current_setting('autoinstall_known_extensions') AS a, "
+         "current_setting('extension_directory') AS d"],
+        capture_output=True, text=True, timeout=180, cwd=REPO, env={**os.environ})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["u,a,d", f"false,false,{own_cache}"]
+
+
+def test_the_wheels_files_are_installed_into_a_private_folder_and_loaded_by_name(own_cache):
+    conn = ext.new_connection(["sqlite_scanner"])
+    try:
+        path, mode, origin = conn.execute(
+            "SELECT install_path, install_mode, installed_from FROM duckdb_extensions() "
+            "WHERE extension_name = 'sqlite_scanner' AND loaded").fetchone()
+    finally:
+        conn.close()
+    assert Path(path).parent.parent.parent == own_cache
+    assert (mode, origin) == ("CUSTOM_PATH", ext.extension_path("sqlite_scanner"))
+    assert Path(path).read_bytes() == Path(ext.extension_path("sqlite_scanner")).read_bytes()
+    assert own_cache.stat().st_mode & 0o777 == 0o700
+    assert ext.extension_loaded("sqlite_scanner")
+
+
+def test_a_tampered_wheel_file_is_refused_and_never_installed(tmp_path, own_cache, monkeypatch):
+    bad = tampered_copy("fts", tmp_path / "bad")
+    monkeypatch.setattr(ext, "extension_path", lambda name: str(bad))
     with pytest.raises(duckdb.Error, match="signature"):
-        wh._duckdb(["sqlite_scanner"])
-    assert str(bad) not in wh._VERIFIED
+        ext.new_connection(["fts"])
+    assert not list(own_cache.rglob("fts.duckdb_extension"))
 
 
-def test_each_extension_file_is_checked_once_per_process(monkeypatch):
-    checked = counting_checks(monkeypatch)
-    for _ in range(3):
-        wh._duckdb(["sqlite_scanner", "ducklake"]).close()
-    assert len(checked) == 2  # one checking connection per file, the first time only
-    assert wh._VERIFIED == {wh.extension_path("sqlite_scanner"), wh.extension_path("ducklake")}
+def test_a_tampered_wheel_file_is_refused_without_a_folder_too(tmp_path, monkeypatch):
+    bad = tampered_copy("fts", tmp_path / "bad")
+    monkeypatch.setattr(ext, "extension_path", lambda name: str(bad))
+    monkeypatch.delenv("FEATUREHOUSE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("HOME", raising=False)
+    assert ext.extension_directory() is None
+    with pytest.raises(duckdb.Error, match="signature"):
+        ext.new_connection(["fts"])
+    # and into a connection someone opened allowing unsigned extensions: checked all the same
+    with duckdb.connect(config={"allow_unsigned_extensions": True}) as conn, \
+            pytest.raises(duckdb.Error, match="signature"):
+        ext.load_extension(conn, "fts")
 
 
-#: Loads the extension file argv[1] as ``warehouse`` does, in a process of its own (a file this
-#: process has mapped must not be rewritten under it), and prints how many times it was checked.
-_LOAD_IN_A_NEW_PROCESS = """
+def test_a_tampered_installed_copy_is_refused_and_installed_again_from_the_wheel(own_cache, caplog):
+    ext.new_connection(["fts"]).close()
+    installed = next(own_cache.rglob("fts.duckdb_extension"))
+    bad = tampered_copy("fts", installed.parent / "tmp")
+    os.replace(bad, installed)  # a new file at the path (this process has the old one mapped)
+    with duckdb.connect(config={"extension_directory": str(own_cache)}) as plain, \
+            pytest.raises(duckdb.Error, match="signature"):
+        plain.execute("LOAD fts")  # DuckDB itself refuses it
+
+    with caplog.at_level(logging.WARNING, logger="featurehouse"):
+        ext.new_connection(["fts"]).close()  # the library: refused, then installed again and loaded
+    assert "refused the installed copy of the fts extension" in caplog.text
+    assert installed.read_bytes() == Path(ext.extension_path("fts")).read_bytes()
+
+
+def test_a_folder_others_may_write_is_not_used(own_cache):
+    own_cache.mkdir(parents=True)
+    own_cache.chmod(0o777)
+    assert ext.extension_directory() is None
+    with ext.new_connection(["fts"]) as conn:  # from the wheel's file, checked
+        assert conn.execute("SELECT install_path FROM duckdb_extensions() WHERE extension_name = 'fts'"
+                            ).fetchone()[0] != str(own_cache)
+        assert settings_of(conn) == SAFE
+    assert not list(own_cache.iterdir())
+
+
+#: In a process of its own, without any network (a network namespace of its own): opens the
+#: warehouse argv[1] with an empty extension folder, then shows that a query needing an extension
+#: that is not installed fails without a download, and that autoloading finds the installed ones.
+_OFFLINE = """
 import sys, duckdb
-from pipeline.lake import warehouse as wh
-wh.extension_path = lambda name: sys.argv[1]
-checks = []
-real_connect = duckdb.connect
-def connect(*args, **kw):
-    if not kw.get("config", {}).get("allow_unsigned_extensions"):
-        checks.append(kw)
-    return real_connect(*args, **kw)
-duckdb.connect = connect
+from pipeline.lake import extensions as ext, warehouse as wh
+conn = wh.connect(sys.argv[1], read_only=True)
+print("features:", conn.execute("SELECT count(*) FROM features").fetchone()[0])
 try:
-    wh._duckdb(["sqlite_scanner"]).close()
+    conn.execute("SELECT * FROM read_parquet('s3://featurehouse-nowhere/x.parquet')")
 except duckdb.Error as exc:
-    print("refused:", exc)
-print("checks:", len(checks))
+    print("s3:", " ".join(str(exc).split()))
+conn.close()
+bare = ext.new_connection([])
+bare.execute(f"ATTACH 'ducklake:sqlite:{sys.argv[1]}/catalog.sqlite' AS l (READ_ONLY)")
+print("autoloaded:", sorted(n for (n,) in bare.execute(
+    "SELECT extension_name FROM duckdb_extensions() WHERE loaded AND install_mode = 'CUSTOM_PATH'").fetchall()))
 """
 
 
-def load_in_a_new_process(path, cache) -> str:
-    proc = subprocess.run([sys.executable, "-c", _LOAD_IN_A_NEW_PROCESS, str(path)], capture_output=True, text=True,
-                          env={**os.environ, "FEATUREHOUSE_CACHE_DIR": str(cache)}, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)
+def test_loading_works_offline_from_an_empty_folder_and_never_downloads(warehouse, own_cache):
+    if subprocess.run(["unshare", "-rn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this system cannot give a process a network namespace of its own (unshare -rn)")
+    catalog = Settings.from_env(warehouse=warehouse).catalog_url
+    assert catalog == f"sqlite:{warehouse}/catalog.sqlite", catalog
+    proc = subprocess.run(["unshare", "-rn", sys.executable, "-c", _OFFLINE, str(warehouse)], capture_output=True,
+                          text=True, timeout=180, cwd=REPO, env={**os.environ, "FEATUREHOUSE_CACHE_DIR": str(own_cache.parent)})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+    assert lines["features"] == "0"
+    assert "Install it first" in lines["s3"] and "download" not in lines["s3"].lower(), lines["s3"]
+    assert lines["autoloaded"] == "['ducklake', 'sqlite_scanner']"
+    assert sorted(p.name for p in own_cache.rglob("*.duckdb_extension")) == [
+        "ducklake.duckdb_extension", "sqlite_scanner.duckdb_extension"]
 
 
-def test_a_later_process_does_not_check_the_same_file_again_but_checks_a_changed_one(tmp_path):
-    copy = tmp_path / "sqlite_scanner.duckdb_extension"
-    shutil.copyfile(wh.extension_path("sqlite_scanner"), copy)
-    assert load_in_a_new_process(copy, tmp_path / "cache").split() == ["checks:", "1"]
-    assert (tmp_path / "cache" / wh._CHECKED_FILE).is_file()
-    assert load_in_a_new_process(copy, tmp_path / "cache").split() == ["checks:", "0"]  # recorded
-
-    # written again with the same bytes and its old modification time: its change time says so
-    stat = copy.stat()
-    copy.write_bytes(copy.read_bytes())
-    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert load_in_a_new_process(copy, tmp_path / "cache").split() == ["checks:", "1"]
+_INSTALL_AND_QUERY = """
+from pipeline.lake import extensions as ext
+with ext.new_connection(["fts"]) as conn:
+    print(conn.execute("SELECT stem('running', 'porter')").fetchone()[0])
+"""
 
 
-def test_a_file_tampered_after_its_check_was_recorded_is_refused(tmp_path):
-    """Changed in place (same inode and size, its modification time put back): refused."""
-    copy = tmp_path / "sqlite_scanner.duckdb_extension"
-    shutil.copyfile(wh.extension_path("sqlite_scanner"), copy)
-    assert load_in_a_new_process(copy, tmp_path / "cache").split() == ["checks:", "1"]
-    stat = copy.stat()
-    with copy.open("r+b") as f:
-        f.seek(stat.st_size // 2)
-        byte = f.read(1)
-        f.seek(stat.st_size // 2)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert (copy.stat().st_ino, copy.stat().st_size, copy.stat().st_mtime_ns) == (
-        stat.st_ino, stat.st_size, stat.st_mtime_ns)
-    out = load_in_a_new_process(copy, tmp_path / "cache")
-    assert "refused:" in out and "signature" in out, out
+def test_two_processes_installing_into_an_empty_folder_at_once(own_cache):
+    env = {**os.environ, "FEATUREHOUSE_CACHE_DIR": str(own_cache.parent)}
+    procs = [subprocess.Popen([sys.executable, "-c", _INSTALL_AND_QUERY], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=REPO, env=env) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+        assert out.split() == ["run"]
+    assert sorted(p.name for p in own_cache.rglob("*.duckdb_extension*")) == [
+        "fts.duckdb_extension", "fts.duckdb_extension.info"]
+    assert not [p for p in own_cache.rglob("*") if "tmp" in p.name]
 
 
-def test_an_unreadable_or_broken_record_means_checking_again(tmp_path, monkeypatch):
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / wh._CHECKED_FILE).write_bytes(b"[not a record")
-    checked = counting_checks(monkeypatch)
-    wh._duckdb(["sqlite_scanner"]).close()
-    assert len(checked) == 1
-    monkeypatch.setenv("FEATUREHOUSE_CACHE_DIR", "/proc/no-such-folder")  # cannot be written
-    monkeypatch.setattr(wh, "_VERIFIED", set())
-    wh._duckdb(["sqlite_scanner"]).close()
-    assert len(checked) == 2
-
-
-# --- the record: only this user's, only a regular file, only the file that was checked ------------
-
-def _record_now(path, cache) -> None:
-    identity = wh._identity(str(path))
-    wh._record_checked(str(path), identity)
-    assert wh._checked_before(str(path)), "the record was not written"
-
-
-def test_a_file_swapped_during_its_check_is_not_recorded(tmp_path):
-    """The identity is taken before the check: if the file at the path is another one after it
-    (a rename over it, same size and modification time), nothing is recorded."""
-    good, unsigned = tmp_path / "sqlite_scanner.duckdb_extension", tmp_path / "other"
-    shutil.copyfile(wh.extension_path("sqlite_scanner"), good)
-    before = wh._identity(str(good))
-    shutil.copyfile(good, unsigned)
-    os.utime(unsigned, ns=(before[3], before[3]))
-    os.replace(unsigned, good)  # ... while DuckDB was hashing the first
-    wh._record_checked(str(good), before)
-    assert not (tmp_path / "cache" / wh._CHECKED_FILE).exists()
-    assert not wh._checked_before(str(good))
-
-
-@pytest.mark.parametrize("loosen", ["folder_writable_by_others", "file_writable_by_group", "file_of_another_user"])
-def test_a_record_others_could_have_written_is_not_believed(tmp_path, loosen):
-    copy = tmp_path / "sqlite_scanner.duckdb_extension"
-    shutil.copyfile(wh.extension_path("sqlite_scanner"), copy)
-    cache = tmp_path / "cache"
-    _record_now(copy, cache)
-    record = cache / wh._CHECKED_FILE
-    if loosen == "folder_writable_by_others":
-        cache.chmod(0o777)
-    elif loosen == "file_writable_by_group":
-        record.chmod(0o660)
-    else:
-        if os.geteuid() != 0:
-            pytest.skip("only root can give a file to another user")
-        os.chown(record, 65534, 65534)
-    assert not wh._checked_before(str(copy))
-
-
-@pytest.mark.parametrize("kind", ["fifo", "link_to_dev_zero", "folder", "too_large"])
-def test_a_record_that_is_not_a_small_regular_file_is_ignored_and_nothing_is_left_behind(tmp_path, kind):
-    copy = tmp_path / "sqlite_scanner.duckdb_extension"
-    shutil.copyfile(wh.extension_path("sqlite_scanner"), copy)
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    record = cache / wh._CHECKED_FILE
-    if kind == "fifo":
-        os.mkfifo(record)  # reading it would wait for a writer for ever
-    elif kind == "link_to_dev_zero":
-        record.symlink_to("/dev/zero")  # reading it would never end
-    elif kind == "folder":
-        record.mkdir()
-    else:
-        record.write_bytes(b'{"x": "' + b"y" * wh._CHECKED_MAX_BYTES + b'"}')
-        record.chmod(0o600)
-    assert not wh._checked_before(str(copy))
-    wh._record_checked(str(copy), wh._identity(str(copy)))  # replaces it where it can, else gives up
-    assert sorted(p.name for p in cache.iterdir()) == [wh._CHECKED_FILE]
-    assert wh._checked_before(str(copy)) == (kind in ("fifo", "link_to_dev_zero", "too_large"))
-
-
-def test_records_of_files_that_are_gone_are_dropped(tmp_path):
-    a, b = tmp_path / "a.duckdb_extension", tmp_path / "b.duckdb_extension"
-    for p in (a, b):
-        shutil.copyfile(wh.extension_path("sqlite_scanner"), p)
-    _record_now(a, tmp_path / "cache")
-    a.unlink()  # an old virtualenv, removed
-    _record_now(b, tmp_path / "cache")
-    assert list(wh._read_checked(tmp_path / "cache")) == [f"{duckdb.__version__}:{b}"]
+def test_the_attach_statements_for_other_clients_load_the_wheels_files(warehouse):
+    lines = wh.attach_sql(Settings.from_env(warehouse=warehouse))
+    assert lines[:2] == [f"LOAD '{ext.extension_path('ducklake')}';", f"LOAD '{ext.extension_path('sqlite_scanner')}';"]
+    with duckdb.connect() as plain:  # DuckDB's defaults: signature checks on
+        for line in lines:
+            plain.execute(line)
+        assert plain.execute("SELECT count(*) FROM features").fetchone() == (0,)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib.util
 import logging
 import math
 import os
@@ -27,10 +26,8 @@ import random
 import re
 import shutil
 import sqlite3
-import stat as stat_module
 import struct
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -43,6 +40,12 @@ import duckdb
 import orjson
 
 from ..config import SCHEMAS_DIR, Settings
+
+# the DuckDB extensions, loaded offline from their wheels with DuckDB's own checks: extensions.py
+from .extensions import extension_loaded, extension_path, load_extension
+from .extensions import needed as _extensions
+from .extensions import new_connection as _duckdb
+from .extensions import s3_extensions as _s3_extensions
 from .landing import disk_full
 
 
@@ -96,195 +99,10 @@ def settings_for(where: Settings | str | os.PathLike) -> Settings:
     return where if isinstance(where, Settings) else Settings.from_env(warehouse=Path(where))
 
 
-# --- extensions ---------------------------------------------------------------------------------
-
-_WHEELS = {
-    "ducklake": "duckdb_extension_ducklake",
-    "sqlite_scanner": "duckdb_extension_sqlite_scanner",
-    "postgres_scanner": "duckdb_extension_postgres_scanner",
-    "httpfs": "duckdb_extension_httpfs",
-    "aws": "duckdb_extension_aws",
-    # the find index (pipeline/outputs/find.py): full-text search; vss for the array functions
-    "fts": "duckdb_extension_fts",
-    "vss": "duckdb_extension_vss",
-}
-
-
-def extension_path(name: str) -> str:
-    """The extension's file inside its PyPI wheel (``duckdb-extension-<name>``), loadable offline
-    with ``LOAD '<path>'``; raises ImportError naming the package when it is not installed."""
-    spec = importlib.util.find_spec(_WHEELS[name])
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            f"the DuckDB extension {name!r} is not installed: pip install "
-            f"'{_WHEELS[name].replace('_', '-')}=={duckdb.__version__}'"
-        )
-    base = Path(next(iter(spec.submodule_search_locations)))
-    path = base / "extensions" / f"v{duckdb.__version__}" / f"{name}.duckdb_extension"
-    if not path.exists():
-        found = sorted(base.glob("extensions/*/*.duckdb_extension"))
-        raise ImportError(
-            f"{_WHEELS[name]} carries no extension for DuckDB {duckdb.__version__} "
-            f"(found: {', '.join(p.parent.name for p in found) or 'none'}); install the matching version"
-        )
-    return str(path)
-
-
-#: The extension files whose signature this process has checked. DuckDB checks an extension's
-#: signature at each LOAD by hashing the whole file (ducklake's is 36 MB: 0.3-1 s, the largest
-#: cost of opening the warehouse), but a LOAD of a file this process has loaded already maps the
-#: same library again (dlopen returns the loaded one): checking it again checks nothing. So each
-#: file is checked once per process, in a connection of its own, and the connections that then
-#: load it skip the check (``allow_unsigned_extensions``; `featurehouse sql` runs no LOAD).
-_VERIFIED: set[str] = set()
-_VERIFIED_LOCK = threading.Lock()
-
-#: ... and once per file, not per process: a check that passed is recorded (``_CHECKED_FILE``)
-#: with what identifies that file's content on disk, so a later process whose file is the same
-#: does not hash it again (~0.3 s of CPU at each `featurehouse` command and Airflow task).
-#: The record holds the file's device, inode, size, modification and *change* time, taken before
-#: the check and recorded only if the file is still the same after it: a write to the file, a copy
-#: or a rename over it gives another inode or change time (which only a user who may set the
-#: system clock can set back), and then the file is checked again. The record lives in the user's
-#: cache folder (``FEATUREHOUSE_CACHE_DIR``, else ``$XDG_CACHE_HOME/featurehouse`` or
-#: ``~/.cache/featurehouse``) and is believed only if this user owns it and its folder and no one
-#: else may write them (who can write it could have any file loaded unchecked); where it cannot
-#: be read or written, every process checks, as before.
-_CHECKED_FILE = "checked-extensions.json"
-_CHECKED_MAX_BYTES = 1 << 20
-
-
-def _cache_dir() -> Path | None:
-    if os.environ.get("FEATUREHOUSE_CACHE_DIR"):
-        return Path(os.environ["FEATUREHOUSE_CACHE_DIR"])
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]) / "featurehouse"
-    home = os.environ.get("HOME")
-    return Path(home) / ".cache" / "featurehouse" if home else None
-
-
-def _identity(path: str) -> list[int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
-
-
-def _own_and_private(st: os.stat_result) -> bool:
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
-
-
-def _read_checked(folder: Path) -> dict:
-    """The record in ``folder``: {} if missing, unreadable, not a regular file, larger than
-    ``_CHECKED_MAX_BYTES``, not JSON, or not this user's alone (it or its folder)."""
-    try:
-        if not _own_and_private(os.stat(folder)):
-            return {}
-        fd = os.open(folder / _CHECKED_FILE, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return {}
-    try:
-        st = os.fstat(fd)
-        if not stat_module.S_ISREG(st.st_mode) or st.st_size > _CHECKED_MAX_BYTES or not _own_and_private(st):
-            return {}
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            record = orjson.loads(f.read(_CHECKED_MAX_BYTES + 1))
-    except (OSError, orjson.JSONDecodeError):
-        return {}
-    finally:
-        os.close(fd)
-    return record if isinstance(record, dict) else {}
-
-
-def _checked_before(path: str) -> bool:
-    """Whether a check of ``path``, as it is on disk now, passed in an earlier process."""
-    folder, identity = _cache_dir(), _identity(path)
-    if folder is None or identity is None:
-        return False
-    return _read_checked(folder).get(f"{duckdb.__version__}:{path}") == identity
-
-
-def _record_checked(path: str, identity: list[int] | None) -> None:
-    """Record that ``path`` passed DuckDB's check, if it is still the file ``identity`` (taken
-    before the check) names (best effort: a record that cannot be written is not written)."""
-    folder = _cache_dir()
-    if folder is None or identity is None or _identity(path) != identity:
-        return  # changed during the check: what was checked is not what is there now
-    with contextlib.suppress(OSError, TypeError, ValueError):
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        record = _read_checked(folder)
-        # entries of files that are gone (an old virtualenv) are dropped
-        record = {k: v for k, v in record.items() if os.path.exists(k.partition(":")[2])}
-        record[f"{duckdb.__version__}:{path}"] = identity
-        fd, tmp = tempfile.mkstemp(prefix=f".{_CHECKED_FILE}.", dir=folder)  # 0600, a new file
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(orjson.dumps(record))
-            os.replace(tmp, folder / _CHECKED_FILE)  # whole or not at all: a reader never sees half
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-
-
-def _duckdb(extensions: list[str], config: dict[str, Any] | None = None) -> duckdb.DuckDBPyConnection:
-    """A new in-memory DuckDB with ``extensions`` loaded from their wheels, never the network."""
-    conn = duckdb.connect(config={**(config or {}), "autoinstall_known_extensions": False,
-                                  "allow_unsigned_extensions": True})
-    try:
-        for name in extensions:
-            _load(conn, name)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-def _load(conn: duckdb.DuckDBPyConnection, name: str) -> None:
-    """LOAD extension ``name`` into ``conn`` (opened by ``_duckdb``), its signature checked first
-    if this process has not checked it yet and no earlier check of the same file is recorded."""
-    path = extension_path(name)
-    with _VERIFIED_LOCK:
-        if path not in _VERIFIED:
-            if not _checked_before(path):
-                before = _identity(path)
-                with duckdb.connect(config={"autoinstall_known_extensions": False}) as checker:
-                    checker.execute(f"LOAD '{_q(path)}'")  # fails on a file that is not DuckDB's, signed
-                _record_checked(path, before)
-            _VERIFIED.add(path)
-    conn.execute(f"LOAD '{_q(path)}'")
-
-
-def load_extension(conn: duckdb.DuckDBPyConnection, name: str) -> None:
-    """LOAD extension ``name`` from its wheel into a connection opened with
-    ``allow_unsigned_extensions`` (its signature checked once per process)."""
-    _load(conn, name)
-
-
-def extension_loaded(name: str) -> bool:
-    """Whether this process has loaded extension ``name`` (then a LOAD of it is cheap)."""
-    with _VERIFIED_LOCK:
-        return any(Path(p).name == f"{name}.duckdb_extension" for p in _VERIFIED)
-
-
 def exists(settings: Settings) -> bool:
     """Whether there is a warehouse where ``settings`` point (for a catalog that is not a file:
     assumed, the connection says otherwise)."""
     return _sqlite_file(settings).exists() if settings.catalog_kind == "sqlite" else True
-
-
-def _extensions(settings: Settings) -> list[str]:
-    names = ["ducklake", "sqlite_scanner" if settings.catalog_kind == "sqlite" else "postgres_scanner"]
-    if settings.uses_s3:
-        names += _s3_extensions()
-    return names
-
-
-def _s3_extensions() -> list[str]:
-    # `aws` only for DuckDB's credential chain: with keys in the variables httpfs is enough, and
-    # each LOAD costs a connection ~0.4 s
-    keys = os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
-    return ["httpfs"] if keys else ["httpfs", "aws"]
 
 
 def _q(s: str) -> str:
@@ -649,7 +467,7 @@ def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]
             if "httpfs" not in str(exc) or settings.uses_s3:
                 raise
             for name in _s3_extensions():
-                _load(conn, name)
+                load_extension(conn, name)
             _s3_secret(conn, settings)
             conn.execute(f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix}")
     except duckdb.Error as exc:

@@ -56,6 +56,7 @@ import duckdb
 
 from ..config import Settings
 from ..lake import warehouse as warehouse_mod
+from ..lake.extensions import new_connection
 from .text import rounded, visible_token
 
 __all__ = [
@@ -186,9 +187,8 @@ def _connect_index(path: Path, *, read_only: bool) -> duckdb.DuckDBPyConnection:
     ``duckdb.connect(path)``: DuckDB shares one instance per path within a process, so a
     process that still holds the old index open would be handed the old file after a refresh
     replaced it."""
-    conn = duckdb.connect(config={"autoinstall_known_extensions": False, "allow_unsigned_extensions": True})
+    conn = new_connection(["fts"])  # DuckDB's own signature check, never the network
     try:
-        warehouse_mod.load_extension(conn, "fts")
         conn.execute(f"ATTACH {warehouse_mod.literal(str(path))} AS idx{' (READ_ONLY)' if read_only else ''}")
         conn.execute("USE idx")
     except BaseException:
@@ -277,8 +277,7 @@ def lake_state(settings: Settings, snapshot_id: int, fingerprint: str | None = N
         with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)) as db:
             got = {k: db.execute(q.format(c="")).fetchall() for k, q in sql.items()}
     elif settings.catalog_kind == "sqlite":
-        with duckdb.connect(config={"autoinstall_known_extensions": False, "allow_unsigned_extensions": True}) as db:
-            warehouse_mod.load_extension(db, "sqlite_scanner")
+        with new_connection(["sqlite_scanner"]) as db:
             db.execute(f"ATTACH {warehouse_mod.literal(str(path))} AS cat (TYPE sqlite, READ_ONLY)")
             got = {k: db.execute(q.format(c="cat.")).fetchall() for k, q in sql.items()}
     else:
