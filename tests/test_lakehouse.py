@@ -344,3 +344,24 @@ def test_a_postgresql_catalog_that_stops_is_said_in_one_line_without_its_passwor
         assert "Traceback" not in err and "password=airflow" not in err and "airflow@" not in err, (what, err)
         assert "the warehouse's PostgreSQL catalog (127.0.0.1:" in err and "database featurehouse" in err, (what, err)
         assert "Start PostgreSQL" in err, (what, err)
+
+
+def test_a_warehouse_whose_making_was_cut_short_says_so_and_an_ingest_makes_it(tmp_path):
+    """Issue 41 item 7: a catalog whose making stopped before featurehouse's tables were
+    committed (PostgreSQL stopped while a warehouse was made) told every reader it had "schema
+    version 0" and to run upgrade, as if it were an old warehouse. Now it says what happened,
+    and an ingest makes it."""
+    from pipeline.lake.extensions import new_connection
+
+    wh_dir = tmp_path / "wh"
+    (wh_dir / "data").mkdir(parents=True)
+    with new_connection(["ducklake", "sqlite_scanner"]) as db:  # the lake begun, nothing of ours in it
+        db.execute(f"ATTACH 'ducklake:sqlite:{wh_dir / 'catalog.sqlite'}' AS lake (DATA_PATH '{wh_dir / 'data'}/')")
+    for args in (("status",), ("sql", "SELECT 1")):
+        r = fh(*args, "--warehouse", str(wh_dir))
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "was begun but never made" in r.stderr and "featurehouse ingest" in r.stderr, r.stderr
+        assert "schema version 0" not in r.stderr
+    r = fh("ingest", str(SEED_FLIGHT), "--warehouse", str(wh_dir), "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert fh("sql", "SELECT count(*) AS n FROM features", "--warehouse", str(wh_dir), "--format", "csv").stdout.split() == ["n", "1"]

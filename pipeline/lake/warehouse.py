@@ -476,6 +476,8 @@ def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]
             raise WarehouseMissing(
                 f"no warehouse in catalog {_redact(settings.catalog_url)}: run `featurehouse ingest` first"
             ) from None
+        if _redact(msg) != msg:  # DuckDB echoes the libpq string, password and all: not into any log
+            raise type(exc)(_redact(msg)) from None
         raise
 
 
@@ -508,6 +510,12 @@ def connect(where: Settings | str | os.PathLike, *, read_only: bool = False, cre
             raise SchemaTooNew(
                 f"the warehouse at {settings.warehouse} has schema version {version}, newer than this "
                 f"featurehouse knows ({latest}): upgrade featurehouse to use it"
+            )
+        if version == 0 and read_only:
+            raise WarehouseMissing(
+                f"the warehouse at {settings.warehouse} was begun but never made: its catalog "
+                f"{_redact(settings.catalog_url)} holds none of its tables (its making stopped before they were "
+                "committed, e.g. the catalog's server stopped): `featurehouse ingest` or `featurehouse upgrade` makes it"
             )
         if version < latest:
             if read_only:
