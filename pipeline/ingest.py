@@ -576,13 +576,13 @@ class _Run:
             try:
                 parsed = parse_export_line(line, line_no)
             except Rejected as exc:
-                text = line[:stage.KEPT_BYTES].decode("utf-8", "replace")
                 reason = str(exc).removeprefix(f"line {line_no}: ").removeprefix(f"line {line_no} ")
+                key, kept = _line_as_record(line_no, line)
                 batch.bad_lines.append(
                     {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
-                     "record_key": f"line {line_no}", "check_name": LINE_RECORD_CHECK,
+                     "record_key": key, "check_name": LINE_RECORD_CHECK,
                      "detail": f"line {line_no} of {landed.input.origin}: {reason}",
-                     "record_json": orjson.dumps(text).decode()})
+                     "record_json": kept})
                 continue
             for name in stage.STAGED_TABLES:
                 getattr(records, name).extend(getattr(parsed, name))
@@ -1046,18 +1046,35 @@ class _Run:
             batch.add(replace(landed, data=None), parsed)
             batch.n_bytes += landed.n_bytes
             kind = next((k for t, k in validate.SUITES.items() if getattr(parsed, t)), "activation")
-            batch.bad_lines.extend(  # lines that are no record, as the export road quarantines them
-                {"input_sha256": landed.sha256, "record_kind": kind, "record_key": f"line {line_no}",
-                 "check_name": LINE_RECORD_CHECK if is_object else BAD_LINE_CHECK,
-                 "detail": f"line {line_no} of {landed.input.origin} {problem}" if not is_object
-                 else f"line {line_no} of {landed.input.origin}: {problem}",
-                 "record_json": orjson.dumps(text).decode()}
-                for line_no, text, problem, is_object in parsed.bad_lines)
+            for line_no, text, problem, is_object in parsed.bad_lines:  # as the export road quarantines them
+                key, kept = (_line_as_record(line_no, text.encode()) if is_object
+                             else (f"line {line_no}", orjson.dumps(text).decode()))
+                batch.bad_lines.append(
+                    {"input_sha256": landed.sha256, "record_kind": kind, "record_key": key,
+                     "check_name": LINE_RECORD_CHECK if is_object else BAD_LINE_CHECK,
+                     "detail": f"line {line_no} of {landed.input.origin} {problem}" if not is_object
+                     else f"line {line_no} of {landed.input.origin}: {problem}",
+                     "record_json": kept})
 
     def _reject(self, batch: _Batch, landed: Landed, fmt: str, reason: str) -> None:
         self.summary.n_rejected += 1
         self.summary.rejected.append({"origin": landed.input.origin, "reason": reason})
         batch.reject(landed, fmt, reason)
+
+
+def _line_as_record(line_no: int, line: bytes) -> tuple[str, str]:
+    """A JSON-object line quarantined whole: keyed by its ``id`` where it has one (as a record
+    the checks quarantine is), kept as received (byte for byte) when it is JSON of a size to
+    keep, else as a JSON string of its first bytes."""
+    if len(line) <= stage.KEPT_BYTES:
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            obj = None
+        if isinstance(obj, dict):
+            key = obj.get("id")
+            return (key if isinstance(key, str) and key else f"line {line_no}"), line.decode()
+    return f"line {line_no}", orjson.dumps(line[:stage.KEPT_BYTES].decode("utf-8", "replace")).decode()
 
 
 def _expand(inputs: Iterable[str | os.PathLike | Input]) -> tuple[Iterable[Input], int | None]:

@@ -82,7 +82,8 @@ def test_a_bad_row_in_an_export_is_quarantined_not_the_whole_batch(tmp_path):
     assert summary.n_activations == len(rows) - 1
     checks = query(settings.warehouse, "SELECT record_key, check_name, record_json->>'index' FROM quarantine ORDER BY 2")
     assert {c[0] for c in checks} == {bad_id} and {c[2] for c in checks} == {"five"}
-    assert "activation_feature_key_present" in {c[1] for c in checks}
+    # an index that is no number makes the line no record (issue 41 item 6: as the plain road says)
+    assert {c[1] for c in checks} == {"export_line_is_a_record"}
 
 
 def _big_export(path: Path, n_rows: int) -> int:
@@ -307,7 +308,7 @@ def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loade
 
     scan = stage._scan_lines
     monkeypatch.setattr(stage, "_scan_lines",
-                        lambda conn, src, trouble, again: scan(conn, src, {p + 2 for p in trouble}, again))
+                        lambda conn, src, trouble, again, *rest: scan(conn, src, {p + 2 for p in trouble}, again, *rest))
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
     _, lines = _activation_lines(objects)
     lines[3] = lines[3][:40]

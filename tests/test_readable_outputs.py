@@ -204,7 +204,7 @@ def test_the_runs_table_fits_its_card(chromium, warehouse, width):
         page = ctx.new_page()
         page.goto((settings.report_dir / "index.html").as_uri())
         assert page.locator("tr.run").count() == 3
-        SHOTS.mkdir(exist_ok=True)
+        SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(SHOTS / f"report-index-{width}.png"), full_page=True)
         m = page.evaluate(_MEASURE)
         assert m["table"] <= m["box"] + 1, m

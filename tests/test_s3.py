@@ -187,3 +187,22 @@ def test_a_refused_record_of_a_page_landed_on_s3_is_quarantined(env, tmp_path):
     assert summary.status == "succeeded" and summary.n_activations == 39 and summary.n_quarantined == 1
     [(record,)] = query(s, "SELECT record_json FROM quarantine")
     assert orjson.loads(record)["id"] and not list((s.warehouse).rglob("scratch*"))
+
+
+def test_a_reader_given_only_the_warehouse_reads_its_s3_data(env, tmp_path):
+    """A reader that names no data path (the catalog records s3://...) reads the data files from
+    the configured endpoint: DuckDB autoloads httpfs for the path, and the endpoint and
+    credentials are featurehouse's secret (without it DuckDB went to AWS: 'Could not resolve
+    hostname ... s3.us-east-1.amazonaws.com', seen in the Celery test)."""
+    from tests.conftest import open_warehouse, run_ingest
+
+    s = on_s3(tmp_path, env)
+    files = sorted(p for p in (Path(__file__).resolve().parent.parent / "samples").iterdir() if p.is_file())
+    run_ingest(files, s)
+    parquet = [o["Key"] for o in env.client().list_objects_v2(Bucket=s.data_url.split("/")[2]).get("Contents", [])
+               if o["Key"].endswith(".parquet") and "/activations/" in o["Key"]]
+    assert parquet, "the activations are in data files on S3 (not inlined in the catalog)"
+    reader = Settings.from_env(warehouse=s.warehouse)
+    assert not reader.uses_s3
+    with open_warehouse(reader) as conn:
+        assert conn.execute("SELECT count(*) FROM activations WHERE len(values) > 0").fetchone()[0] > 0

@@ -456,6 +456,12 @@ def scratch_first(conn: duckdb.DuckDBPyConnection) -> Iterator[None]:
     conn.execute(f"USE {CATALOG}")
 
 
+def _recorded_data_path(conn: duckdb.DuckDBPyConnection) -> str:
+    row = conn.execute(f"SELECT value FROM __ducklake_metadata_{CATALOG}.ducklake_metadata "
+                       "WHERE key = 'data_path'").fetchone()
+    return row[0] if row and row[0] else ""
+
+
 def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]) -> None:
     suffix = f" ({', '.join(opts)})" if opts else ""
     try:
@@ -470,6 +476,11 @@ def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]
                 load_extension(conn, name)
             _s3_secret(conn, settings)
             conn.execute(f"ATTACH 'ducklake:{_q(settings.catalog_url)}' AS {CATALOG}{suffix}")
+        else:
+            # DuckDB autoloads httpfs (installed offline) for an s3:// data path the catalog
+            # records and the settings did not name; the endpoint and credentials are still ours.
+            if not settings.uses_s3 and _recorded_data_path(conn).startswith("s3://"):
+                _s3_secret(conn, settings)
     except duckdb.Error as exc:
         msg = str(exc)
         if "creating a new DuckLake is explicitly disabled" in msg or "not initialized" in msg.lower():
