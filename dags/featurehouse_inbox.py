@@ -12,46 +12,40 @@ for the next run (still being copied). What is not a file (a named pipe, a link 
 refused with its reason and set aside, unread, in `<inbox>/.refused/<run id>/`. One task, in
 pool `warehouse_writer` (which bounds concurrent loads; commits take the warehouse's commit
 lock, so it may run beside the nightly); it refreshes the activation statistics and publishes
-them as Assets. The code is `pipeline.sources.inbox.drain_inbox`.
+the tables it loads and the statistics as Assets whose URIs name the warehouse
+(`x-ducklake://<catalog>/<table>`). The code is `pipeline.sources.inbox.drain_inbox`.
 
-It reads only `[paths]` and `[inbox]` of `featurehouse.toml`: a mistake in a nightly source
-does not stop it. A mistake in those sections fails the task at once (no retries), naming
-it. When the run's verdict is FAIL (everything dropped was rejected, say) the task fails
-after everything is recorded, with the verdict's reason, so the operator sees it.
+`featurehouse.toml` is `$FEATUREHOUSE_CONFIG`, else the Airflow Variable `featurehouse_config`,
+else the project's own. The drain reads only its `[paths]` and `[inbox]`: a mistake in a
+nightly source does not stop it. A mistake in those sections fails the task at once (no
+retries), naming it. When the run's verdict is FAIL (everything dropped was rejected, say) the
+task fails after everything is recorded, with the verdict's reason, so the operator sees it,
+and, when `[notify] email` names anyone, is mailed it.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import Asset, dag, task
+from airflow.sdk import dag, task
+from featurehouse_common import (
+    RAW_TABLES,
+    STATS_TABLES,
+    config_path,
+    failure_notifier,
+    not_transient,
+    read_config,
+    run_key,
+    table_assets,
+)
 
 DAG_ID = "featurehouse_inbox"
-FEATURE_STATS = Asset(name="featurehouse.feature_activation_stats",
-                      uri="duckdb://featurehouse/feature_activation_stats")
-SOURCE_STATS = Asset(name="featurehouse.source_activation_stats",
-                     uri="duckdb://featurehouse/source_activation_stats")
-
-
-def _key(context: dict):
-    """The run's key: its data interval start (a manual run without one: its logical date / run_after)."""
-    return context.get("data_interval_start") or context.get("logical_date") or context["dag_run"].run_after
-
-
-@contextmanager
-def _not_transient():
-    """A configuration error (``pipeline.sources.plan.ConfigError``, a bad environment value)
-    fails the task at once: retrying cannot mend it. The library never imports Airflow."""
-    from pipeline.config import BadSetting  # ConfigError is one
-
-    try:
-        yield
-    except BadSetting as exc:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        raise AirflowFailException(f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
+CONFIG_PATH = config_path()
+"""featurehouse.toml: ``$FEATUREHOUSE_CONFIG``, else the Airflow Variable ``featurehouse_config``,
+else the project's own (featurehouse_common.config_path). The tasks load this same file."""
+CONFIG = read_config(CONFIG_PATH)
+"""The file as a dict, read with the stdlib, for ``[notify]`` and the Assets' warehouse."""
 
 
 @dag(
@@ -70,11 +64,13 @@ def _not_transient():
         # a drain stuck (a lock never released, a hung read) is ended and retried, not left for good
         "execution_timeout": timedelta(hours=1),
     },
+    # one mail a failed drain, naming the task, when [notify] asks for it
+    on_failure_callback=failure_notifier(CONFIG),
     tags=["featurehouse", "inbox"],
     doc_md=__doc__,
 )
 def featurehouse_inbox():
-    @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
+    @task(pool="warehouse_writer", outlets=table_assets(CONFIG, CONFIG_PATH, RAW_TABLES + STATS_TABLES))
     def drain(**context) -> dict:
         from airflow.sdk.exceptions import AirflowFailException
 
@@ -82,10 +78,10 @@ def featurehouse_inbox():
         from pipeline.sources.inbox import drain_inbox
         from pipeline.sources.plan import load_inbox_plan, run_id_for
 
-        with _not_transient():
-            plan = load_inbox_plan()
+        with not_transient():
+            plan = load_inbox_plan(CONFIG_PATH)
             result = drain_inbox(plan.inbox, Settings.from_env(warehouse=plan.warehouse),
-                                 run_id_for(_key(context), DAG_ID), trigger="airflow",
+                                 run_id_for(run_key(context), DAG_ID), trigger="airflow",
                                  settle_seconds=plan.settle_seconds, keep_days=plan.keep_days).as_dict()
         if result["verdict"] == "FAIL":  # recorded already; a retry would find nothing and pass
             raise AirflowFailException(f"inbox run {result['run_id']}: verdict FAIL: {result['verdict_reason']} "
@@ -98,8 +94,8 @@ def featurehouse_inbox():
         from pipeline.outputs.find import refresh_index
         from pipeline.sources.plan import load_inbox_plan
 
-        with _not_transient():
-            return refresh_index(Settings.from_env(warehouse=load_inbox_plan().warehouse)).as_dict()
+        with not_transient():
+            return refresh_index(Settings.from_env(warehouse=load_inbox_plan(CONFIG_PATH).warehouse)).as_dict()
 
     drain() >> find_index()
 

@@ -4,7 +4,8 @@
 Fetches the features listed in `featurehouse.toml` from Neuronpedia and loads them into the
 warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00 UTC).
 
-1. **plan** reads `featurehouse.toml` (checked whole against its schema) and splits it into
+1. **plan** reads `featurehouse.toml` (`$FEATUREHOUSE_CONFIG`, else the Airflow Variable
+   `featurehouse_config`, else the project's own; checked whole against its schema) and splits it into
    fetch chunks (fewer than `[core] max_map_length`); each chunk is a small dict naming a
    source, an index range and the warehouse. It is the only task that reads the file. A
    mistake in it is not transient: the task fails at once, without retries, naming the file
@@ -19,17 +20,22 @@ warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00
    per export batch file. It runs even when some fetch chunks failed, so what did land is
    loaded tonight (but not when the plan failed: there is nothing to load).
 4. **ingest** is mapped over the units: each parses, validates and loads its share as a part
-   of the night's warehouse run, on any worker, committing side by side with the others.
+   of the night's warehouse run, on any worker, committing side by side with the others; each
+   part that succeeds publishes the tables it loads (`features`, `activations`, ...) as Assets.
 5. **finish** records the fetch failures in `fetch_failures` and the run's status (failed, and
    so is this task, when an ingest part failed); skipped when the plan failed.
 6. **materialise** refreshes the activation statistics of what the run changed (the
-   per-source aggregates once, after every part) and publishes them as Assets.
+   per-source aggregates once, after every part) and publishes them as Assets. Every Asset's
+   URI names the warehouse: `x-ducklake://<catalog>/<table>`.
 7. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
    wholly or mostly).
 8. **maintain** expires snapshots past the retention period, merges small files and deletes
    unreferenced ones.
 9. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
    failed, which marks the run failed once the tasks above have run.
+
+A failed run mails the addresses of `[notify] email` (through the Airflow SMTP connection
+`[notify] smtp_conn_id`, default `smtp_default`), naming the task that failed it.
 
 A manual run can name one source in its params (model, source, indices or via = exports): it
 fetches that instead of the file's sources. Neuronpedia's address and API key come from the Airflow Connection `neuronpedia_default`
@@ -48,39 +54,36 @@ from __future__ import annotations
 
 import math
 import os
-import sys
-from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 
 import pendulum
-from airflow.sdk import Asset, Param, dag, task
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from airflow.sdk import Param, dag, task
+from featurehouse_common import (
+    RAW_TABLES,
+    STATS_TABLES,
+    config_path,
+    failure_notifier,
+    not_transient,
+    read_config,
+    run_key,
+    table_assets,
+)
 
 DAG_ID = "featurehouse_nightly"
-FEATURE_STATS = Asset(name="featurehouse.feature_activation_stats",
-                      uri="duckdb://featurehouse/feature_activation_stats")
-SOURCE_STATS = Asset(name="featurehouse.source_activation_stats",
-                     uri="duckdb://featurehouse/source_activation_stats")
+CONFIG_PATH = config_path()
+"""featurehouse.toml: ``$FEATUREHOUSE_CONFIG``, else the Airflow Variable ``featurehouse_config``,
+else the project's own (featurehouse_common.config_path). The plan task loads this same file."""
+CONFIG = read_config(CONFIG_PATH)
+"""The file as a dict, read with the stdlib (empty when it cannot be read: the plan task then
+fails with the real error, naming the file)."""
+RAW = table_assets(CONFIG, CONFIG_PATH, RAW_TABLES)
+"""The tables each ingest part loads, as Assets naming the warehouse."""
+STATS = table_assets(CONFIG, CONFIG_PATH, STATS_TABLES)
+"""The statistics materialise refreshes, as Assets naming the warehouse."""
 
 
 DEFAULT_SCHEDULE = "0 3 * * *"
 PRESETS = ("@once", "@continuous", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
-
-
-def _config() -> dict:
-    """featurehouse.toml as a dict (empty when it cannot be read: the plan task then fails with
-    the real error, naming the file)."""
-    path = Path(os.environ.get("FEATUREHOUSE_CONFIG") or Path(__file__).resolve().parent.parent / "featurehouse.toml")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
-    return raw if isinstance(raw, dict) else {}
 
 
 MAX_RETRY_DELAY = 86400
@@ -92,7 +95,7 @@ def _setting(section: str, key: str, default: float, kind: type, maximum: float 
     retry_delay`` for the others (plan.py checks them too; a value that is not a finite number
     from 0 to ``maximum`` falls back to the default here and fails the plan task: TOML's nan, inf
     or 1e300 in a ``timedelta`` would fail this file's import, and the DAG would vanish)."""
-    table = _config().get(section)
+    table = CONFIG.get(section)
     value = table.get(key, default) if isinstance(table, dict) else default
     if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
             or not 0 <= value <= maximum or (kind is int and value != int(value))):
@@ -110,7 +113,7 @@ def _schedule() -> str:
     the entry, until the file is fixed."""
     cron = os.environ.get("FEATUREHOUSE_SCHEDULE")
     if not cron:
-        schedule = _config().get("schedule")
+        schedule = CONFIG.get("schedule")
         cron = schedule.get("cron", DEFAULT_SCHEDULE) if isinstance(schedule, dict) else DEFAULT_SCHEDULE
     return cron if _runs(cron) else DEFAULT_SCHEDULE
 
@@ -132,26 +135,6 @@ def _runs(cron: object) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _key(context: dict):
-    """The run's key: its data interval start (a manual run without one: its logical date / run_after)."""
-    return context.get("data_interval_start") or context.get("logical_date") or context["dag_run"].run_after
-
-
-@contextmanager
-def _not_transient():
-    """A configuration error (``pipeline.sources.plan.ConfigError``, a bad environment value,
-    a source Neuronpedia does not have) fails the task at once: retrying cannot mend it. The
-    library never imports Airflow; the translation is here."""
-    from pipeline.config import BadSetting  # ConfigError and SourceNotFound are BadSettings
-
-    try:
-        yield
-    except BadSetting as exc:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        raise AirflowFailException(f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
 
 
 CONNECTION_ID = "neuronpedia_default"
@@ -225,6 +208,8 @@ default_args = {
                      description="api (the feature API) or exports (the bulk files)"),
     },
     default_args=default_args,
+    # one mail a failed night, naming the task that failed it, when [notify] asks for it
+    on_failure_callback=failure_notifier(CONFIG),
     tags=["featurehouse", "neuronpedia", "nightly"],
     doc_md=__doc__,
 )
@@ -236,10 +221,10 @@ def featurehouse_nightly():
         from pipeline.sources.plan import chunks, load_plan, window_for, with_params
 
         base_url, _ = _neuronpedia()
-        with _not_transient():
-            planned = load_plan(env={**os.environ, "NEURONPEDIA_BASE_URL": base_url} if base_url else None)
+        with not_transient():
+            planned = load_plan(CONFIG_PATH, env={**os.environ, "NEURONPEDIA_BASE_URL": base_url} if base_url else None)
             planned = with_params(planned, dict(context.get("params") or {}))
-            out = chunks(planned, window_for(_key(context), DAG_ID), conf.getint("core", "max_map_length"))
+            out = chunks(planned, window_for(run_key(context), DAG_ID), conf.getint("core", "max_map_length"))
         context["ti"].xcom_push(key="warehouse", value=str(planned.warehouse))
         return out
 
@@ -253,7 +238,7 @@ def featurehouse_nightly():
         from pipeline.sources.plan import fetch_chunk
 
         _, api_key = _neuronpedia()  # read here, never passed through XCom
-        with _not_transient():
+        with not_transient():
             return fetch_chunk(chunk, api_key=api_key)
 
     # all_done_min_one_success: what the chunks that succeeded landed is still loaded (and
@@ -265,19 +250,19 @@ def featurehouse_nightly():
 
         from pipeline.sources.plan import ingest_units
 
-        with _not_transient():
+        with not_transient():
             return ingest_units(chunks, max_map_length=conf.getint("core", "max_map_length"))
 
     # One ingest per unit (a fetch chunk's pages, an export batch file), on any worker, at once:
     # each is a part of the night's run and commits under the commit lock; per-source stats wait
     # for materialise.
-    @task(pool="warehouse_writer")
+    @task(pool="warehouse_writer", outlets=RAW)
     def ingest(unit: dict, **context) -> dict:
         from pipeline.sources.fetch import ingest_unit
         from pipeline.sources.plan import run_id_for, settings_of
 
-        with _not_transient():
-            return ingest_unit(unit, settings_of(unit), run_id=run_id_for(_key(context), DAG_ID)).as_dict()
+        with not_transient():
+            return ingest_unit(unit, settings_of(unit), run_id=run_id_for(run_key(context), DAG_ID)).as_dict()
 
     # all_done: the run's status and fetch failures are recorded whatever the parts did; it
     # fails (and so stops materialise and the report) when a part failed. Skipped when the plan
@@ -292,25 +277,25 @@ def featurehouse_nightly():
         warehouse = _warehouse(context)
         if warehouse is None:
             raise AirflowSkipException("the plan task failed (see its log): nothing was fetched or loaded")
-        key = _key(context)
-        with _not_transient():
+        key = run_key(context)
+        with not_transient():
             return finish_fetched(window_for(key, DAG_ID), settings_of({"warehouse": warehouse}),
                                   run_id=run_id_for(key, DAG_ID), failed_parts=_failed(context, "ingest"))
 
-    @task(pool="warehouse_writer", outlets=[FEATURE_STATS, SOURCE_STATS])
+    @task(pool="warehouse_writer", outlets=STATS)
     def materialise(**context) -> dict:
         from pipeline.sources.plan import run_id_for
         from pipeline.stages.materialise import refresh_run
 
-        with _not_transient():
-            return refresh_run(_warehouse(context), run_id_for(_key(context), DAG_ID)).as_dict()
+        with not_transient():
+            return refresh_run(_warehouse(context), run_id_for(run_key(context), DAG_ID)).as_dict()
 
     @task
     def find_index(**context) -> dict:
         from pipeline.outputs.find import refresh_index
         from pipeline.sources.plan import settings_of
 
-        with _not_transient():  # after the load's snapshots, before maintain may expire them
+        with not_transient():  # after the load's snapshots, before maintain may expire them
             return refresh_index(settings_of({"warehouse": _warehouse(context)})).as_dict()
 
     @task
@@ -318,15 +303,15 @@ def featurehouse_nightly():
         from pipeline.outputs.report import report_run
         from pipeline.sources.plan import run_id_for
 
-        with _not_transient():
-            return report_run(_warehouse(context), run_id_for(_key(context), DAG_ID))
+        with not_transient():
+            return report_run(_warehouse(context), run_id_for(run_key(context), DAG_ID))
 
     @task(pool="warehouse_writer")
     def maintain(**context) -> dict:
         from pipeline.lake.maintain import maintain
         from pipeline.lake.warehouse import settings_for
 
-        with _not_transient():
+        with not_transient():
             return maintain(settings_for(_warehouse(context))).as_dict()
 
     # Airflow judges a run by its last tasks: this one (all_success) is upstream_failed when a

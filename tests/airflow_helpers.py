@@ -60,6 +60,7 @@ EXTRA_KEYS = frozenset({
     "AIRFLOW_ADMIN_PASSWORD", "NEURONPEDIA_API_KEY", "FEATUREHOUSE_INBOX_SETTLE_SECONDS",
     "NEURONPEDIA_BASE_URL", "NEURONPEDIA_EXPORTS_URL", "AIRFLOW__LOGGING__BASE_LOG_FOLDER",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "FEATUREHOUSE_WRITER_SLOTS",
+    "AIRFLOW_VAR_FEATUREHOUSE_CONFIG",  # the Airflow Variable naming featurehouse.toml, from the environment
 })
 
 #: Settings only the Celery test adds: two workers on one machine need their own task-instance
@@ -303,6 +304,37 @@ def wait_until(predicate, timeout: float, interval: float = 1.0, what: str = "co
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+@dataclass
+class Mailbox:
+    """What a loopback SMTP server received: one ``email.message.EmailMessage`` a mail."""
+
+    port: int
+    messages: list
+
+    async def handle_DATA(self, server, session, envelope):  # aiosmtpd's handler hook
+        import email
+        import email.policy
+
+        message = email.message_from_bytes(envelope.content, policy=email.policy.default)
+        message["X-Envelope-To"] = ", ".join(envelope.rcpt_tos)
+        self.messages.append(message)
+        return "250 Message accepted for delivery"
+
+
+@contextlib.contextmanager
+def smtp_server() -> Iterator[Mailbox]:
+    """An SMTP server on loopback (aiosmtpd, in a thread of this process) that keeps what it is sent."""
+    from aiosmtpd.controller import Controller
+
+    box = Mailbox(port=free_port(), messages=[])
+    controller = Controller(box, hostname="127.0.0.1", port=box.port)
+    controller.start()
+    try:
+        yield box
+    finally:
+        controller.stop()
 
 
 @contextlib.contextmanager

@@ -16,8 +16,16 @@ import pytest
 
 from pipeline.sources.inbox import DONE_DIR, pending_files
 from pipeline.sources.plan import run_id_for, window_for
-from tests.airflow_helpers import REPO, airflow, airflow_env, fake_neuronpedia_server, init
+from tests.airflow_helpers import (
+    REPO,
+    airflow,
+    airflow_env,
+    fake_neuronpedia_server,
+    init,
+    smtp_server,
+)
 from tests.conftest import open_warehouse
+from tests.test_dags import RAW_TABLES, STATS_TABLES, _bundle
 
 pytestmark = [pytest.mark.airflow, pytest.mark.heavy(150)]  # its tests share one Airflow home
 
@@ -86,6 +94,18 @@ def test_nightly_fetches_from_the_fake_server_into_the_warehouse(home):
     (report_path,) = q(wh, "SELECT report_path FROM runs WHERE run_id = ?", [run_id])[0]
     assert report_path and Path(report_path).exists()
 
+    # Airflow recorded the Assets' events, their URIs naming this warehouse: each ingest part's
+    # tables, and materialise's statistics once
+    catalog = f"x-ducklake://{wh}/catalog.sqlite"
+    airflow_run_id = _states(home, LOGICAL_DATE)[0]["run_id"]
+    events = _asset_events(home, "featurehouse_nightly", airflow_run_id)
+    assert {uri for uri, task in events if task == "ingest"} == {f"{catalog}/{t}" for t in RAW_TABLES}
+    assert sorted(uri for uri, task in events if task == "materialise") == [f"{catalog}/{t}" for t in STATS_TABLES]
+    with _airflow_db(home) as conn:  # one event of each table a part
+        ((parts,),) = conn.execute("SELECT count(*) FROM task_instance WHERE dag_id = 'featurehouse_nightly' "
+                                   "AND task_id = 'ingest' AND run_id = ?", [airflow_run_id]).fetchall()
+    assert parts > 1 and [uri for uri, _ in events].count(f"{catalog}/features") == parts
+
     # the same logical date again: the same window and run id, nothing fetched or loaded twice
     n_raw = q(wh, "SELECT count(*) FROM raw_inputs")[0][0]
     airflow(["dags", "test", "featurehouse_nightly", LOGICAL_DATE], home)
@@ -116,6 +136,49 @@ def test_inbox_drains_the_seeds(home):
                           "WHERE run_id LIKE 'airflow-featurehouse_inbox-%'"))
     assert statuses == {"000_e9e35889d0228029.txt": "loaded", "002_cdcf7f83dd4b10f8.txt": "rejected"}
     assert q(wh, "SELECT count(*) FROM features WHERE feature_index = 45698")[0][0] == 1
+    run, _ = _states(home, LOGICAL_DATE, "featurehouse_inbox")
+    assert sorted(uri.rsplit("/", 1)[1] for uri, task in _asset_events(home, "featurehouse_inbox", run["run_id"])
+                  if task == "drain") == sorted(RAW_TABLES + STATS_TABLES)
+
+
+def test_a_failed_run_mails_the_operator_from_a_bundle_that_finds_its_config_from_a_variable(home, tmp_path):
+    """Issue 45, as an operator of Airflow expects it: only dags/, copied elsewhere as a DAG bundle
+    is; featurehouse.toml named by the Airflow Variable featurehouse_config (not
+    $FEATUREHOUSE_CONFIG), its [notify] naming who is mailed; the SMTP server the connection
+    smtp_default (AIRFLOW_CONN_SMTP_DEFAULT) names, on loopback. The inbox's drain fails (all it
+    found was rejected): one mail arrives, naming the DAG, the task and the run."""
+    import json
+
+    bundle = _bundle(tmp_path)
+    site = tmp_path / "site"
+    (site / "drop").mkdir(parents=True)
+    (site / "drop" / "not-a-page.txt").write_bytes((REPO / "samples" / "002_cdcf7f83dd4b10f8.txt").read_bytes())
+    (site / "featurehouse.toml").write_text(
+        '[paths]\nwarehouse = "wh"\ninbox = "drop"\n[inbox]\nsettle_seconds = 0\n'
+        '[notify]\nemail = ["ops@example.org", "oncall@example.org"]\nfrom_email = "featurehouse@example.org"\n')
+    logical_date = "2026-12-02T03:00:00+00:00"
+    with smtp_server() as mailbox:
+        smtp = {"conn_type": "smtp", "host": "127.0.0.1", "port": mailbox.port,
+                "extra": {"disable_ssl": True, "disable_tls": True, "timeout": 10, "retry_limit": 0}}
+        env = {k: v for k, v in home.items() if not k.startswith("FEATUREHOUSE_")} | {
+            "FEATUREHOUSE_SCHEMAS": home["FEATUREHOUSE_SCHEMAS"], "FEATUREHOUSE_CATALOG": "",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(bundle), "AIRFLOW_VAR_FEATUREHOUSE_CONFIG": str(site / "featurehouse.toml"),
+            "AIRFLOW_CONN_SMTP_DEFAULT": json.dumps(smtp)}
+        out = airflow(["dags", "test", "featurehouse_inbox", logical_date], env, check=False)
+    log = out.stdout + out.stderr
+    run, by_task = _states(env, logical_date, "featurehouse_inbox")
+    assert run["state"] == "failed" and by_task["drain"] == "failed", log[-3000:]
+    # the drain read the Variable's file: its inbox and warehouse, relative to it
+    assert [p.name for p in (site / "drop").iterdir()] == [".done"]
+    assert q(site / "wh", "SELECT n_received, n_rejected FROM runs") == [(1, 1)]
+
+    assert len(mailbox.messages) == 1, log[-3000:]
+    (mail,) = mailbox.messages
+    assert mail["X-Envelope-To"] == "ops@example.org, oncall@example.org"
+    assert mail["From"] == "featurehouse@example.org"
+    assert mail["Subject"] == f"featurehouse: featurehouse_inbox failed in task drain (run {run['run_id']})"
+    body = mail.get_body(("html",)).get_content()
+    assert "featurehouse_inbox" in body and "<b>drain</b>" in body and "featurehouse status" in body
 
 
 CLOSED_CONFIG = """
@@ -201,6 +264,14 @@ def test_nightly_against_a_closed_port_fails_its_fetch_but_ingests_and_reports(h
     assert '<div class="verdict FAIL" id="verdict">' in Path(report_path).read_text()
 
 
+def _asset_events(env: dict, dag_id: str, run_id: str) -> list[tuple[str, str]]:
+    """(asset URI, task) of each asset event a DAG run's tasks emitted, from Airflow's metadata
+    database (what the UI's Assets view shows)."""
+    with _airflow_db(env) as conn:
+        return conn.execute("SELECT a.uri, e.source_task_id FROM asset_event e JOIN asset a ON a.id = e.asset_id "
+                            "WHERE e.source_dag_id = ? AND e.source_run_id = ?", [dag_id, run_id]).fetchall()
+
+
 def _airflow_db(env: dict) -> contextlib.closing:
     """Airflow's metadata database (SQLite here), read-only: what the `airflow` commands that
     list pools, runs and task states read, without starting an Airflow process (~3 s of CPU)."""
@@ -208,16 +279,16 @@ def _airflow_db(env: dict) -> contextlib.closing:
     return contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True))
 
 
-def _states(env: dict, logical_date: str) -> tuple[dict, dict[str, str]]:
+def _states(env: dict, logical_date: str, dag_id: str = "featurehouse_nightly") -> tuple[dict, dict[str, str]]:
     """The DAG run of ``logical_date`` and its tasks' states (a mapped task's worst), as Airflow
     recorded them in its metadata database: what `airflow dags list-runs` and `airflow tasks
     states-for-dag-run` print, read without starting two more Airflow processes (~3 s each)."""
     with _airflow_db(env) as conn:
         ((run_id, state),) = conn.execute(
-            "SELECT run_id, state FROM dag_run WHERE dag_id = 'featurehouse_nightly' AND logical_date LIKE ?",
-            [logical_date[:10] + "%"]).fetchall()
-        states = conn.execute("SELECT task_id, state FROM task_instance WHERE dag_id = 'featurehouse_nightly' "
-                              "AND run_id = ? ORDER BY task_id, map_index", [run_id]).fetchall()
+            "SELECT run_id, state FROM dag_run WHERE dag_id = ? AND logical_date LIKE ?",
+            [dag_id, logical_date[:10] + "%"]).fetchall()
+        states = conn.execute("SELECT task_id, state FROM task_instance WHERE dag_id = ? "
+                              "AND run_id = ? ORDER BY task_id, map_index", [dag_id, run_id]).fetchall()
     by_task: dict[str, str] = {}
     for task_id, task_state in states:  # a mapped task: failed if any of its instances failed
         if by_task.get(task_id) != "failed":
