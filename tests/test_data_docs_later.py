@@ -55,6 +55,10 @@ def test_an_ingest_with_data_docs_later_imports_no_great_expectations(tmp_path):
     assert "data_docs/local_site/validations/" in html and "builds them" not in html
     stored = sorted((wh / "gx" / "uncommitted" / "validations").rglob("*.json"))
     assert len(stored) == 3  # features, activations, explanations of the one batch
+    for p in stored:  # recorded as the table's checkpoint records a run's (tests/test_gx_checkpoint.py)
+        table = p.parents[2].name
+        checkpoint = json.loads((wh / "gx" / "checkpoints" / f"featurehouse-{table}.json").read_text())
+        assert json.loads(p.read_text())["meta"]["checkpoint_id"] == checkpoint["id"]
     checks = {r["expectation_config"]["meta"]["check_name"]: r for p in stored
               for r in json.loads(p.read_text())["results"]}
     assert checks["tokens_values_same_length"]["success"] is False

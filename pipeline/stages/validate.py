@@ -5,12 +5,19 @@ so each record's list-valued facts (lengths, maxima, finiteness) are first deriv
 check columns in DuckDB, vectorised over the whole batch; the suite then judges them. A record
 that fails any expectation is kept out of its table and quarantined with the check's name and a
 readable detail taken from the expectation's ``meta.detail`` template.
+
+DuckDB judges the suites in SQL with Great Expectations' semantics (``sql_judge``); Great
+Expectations itself judges only a suite with an expectation type DuckDB does not evaluate (in an
+ephemeral context: ``batch.validate``). Either way the results are recorded in the warehouse's
+file data context (``gx/``), where each table has a validation definition and a checkpoint
+(``featurehouse-<table>``), as that checkpoint records a run's, and its Data Docs are built from
+them. ``frame_for`` gives a batch's check columns as a pandas frame, for a Great Expectations
+user to run the checkpoint again (docs/report.md).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import datetime
 import functools
 import gc
@@ -34,7 +41,7 @@ from .materialise import EXCERPT, excerpt_columns
 
 __all__ = [
     "SUITES", "SuiteError", "ValidationOutcome", "validate_batch", "load_suite",
-    "store_results", "build_data_docs",
+    "store_results", "build_data_docs", "frame_for", "checkpoint_name",
 ]
 
 #: table name → record kind; one suite per table.
@@ -194,7 +201,7 @@ def _set_up_gx():
     suites = {}
     for table in SUITES:
         asset = source.add_dataframe_asset(table)
-        batches[table] = asset.add_batch_definition_whole_dataframe(f"{table}_batch")
+        batches[table] = asset.add_batch_definition_whole_dataframe(BATCH_DEFINITION)
         spec = load_suite(table)
         suite = gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
         if len(suite.expectations) != len(spec["expectations"]):
@@ -204,59 +211,7 @@ def _set_up_gx():
                 "expectation(s) are not valid Great Expectations configurations"
             )
         suites[table] = suite
-    _memo_configurations()
     return batches, suites
-
-
-#: Whether validation memoises each expectation's ``configuration`` (see ``_memo_configurations``);
-#: off, Great Expectations runs exactly as shipped. Results are the same either way (a test checks).
-MEMOISE_GX = True
-
-_CONFIG_MEMO: contextvars.ContextVar[dict[int, tuple[Any, Any]] | None] = contextvars.ContextVar(
-    "featurehouse_gx_config_memo", default=None)
-
-
-def _memo_configurations() -> bool:
-    """Make ``Expectation.configuration`` cheap while featurehouse validates a batch.
-
-    Great Expectations 1.x rebuilds an ``ExpectationConfiguration`` (``self.dict()`` and a regex
-    ``camel_to_snake`` of the class name) on every read of that property, some 50 times per
-    expectation per validation, and about 40% of its validation time went there. Validation
-    makes a short-lived expectation object from a configuration (``to_domain_obj``) for each
-    step and only reads it; so while ``_CONFIG_MEMO`` holds a dict (only inside one
-    ``batch.validate`` call of ours), an expectation built during that call hands out the
-    configuration it built first. The suite's own expectations are excluded (``_validate_tables``
-    marks them): Great Expectations changes the configurations it reads from those in place
-    (``process_suite_parameters``), so they are built fresh each time, as before. Elsewhere, and
-    when ``MEMOISE_GX`` is off, the property runs unchanged. Returns whether the patch applies:
-    if this Great Expectations has another shape, nothing is patched.
-    """
-    try:
-        from great_expectations.expectations import expectation as module
-    except ImportError:
-        return False
-    prop = module.Expectation.__dict__.get("configuration")
-    if not isinstance(prop, property) or prop.fget is None or prop.fset is not None:
-        return False
-    if getattr(prop.fget, "_featurehouse_memo", False):
-        return True
-    build = prop.fget
-
-    def configuration(self):
-        memo = _CONFIG_MEMO.get()
-        if memo is None:
-            return build(self)
-        hit = memo.get(id(self))
-        if hit is not None and hit[0] is self:  # the memo holds the object, so ids are not reused
-            return hit[1] if hit[1] is not None else build(self)
-        built = build(self)
-        memo[id(self)] = (self, built)
-        return built
-
-    configuration._featurehouse_memo = True  # type: ignore[attr-defined]
-    configuration.__doc__ = build.__doc__
-    module.Expectation.configuration = property(configuration, doc=prop.__doc__)
-    return True
 
 
 _GX_LOCK = threading.Lock()
@@ -326,6 +281,88 @@ def _check_frame(conn: duckdb.DuckDBPyConnection, table: str):
     return conn.sql(_check_relation(conn, table)).df()
 
 
+def frame_for(table: str, warehouse: Any, *, run_id: str | None = None, inputs: list[str] | None = None):
+    """The frame ``table``'s suite judges, as a pandas DataFrame: its check columns, one row per
+    record (``record_key`` names it), for the records of inputs the warehouse landed: those of
+    the run ``run_id`` loaded, or the inputs of the sha256 digests ``inputs``. The records the
+    ingest quarantined are in it, beside those that loaded.
+
+    It is built as the ingest builds a batch's: the inputs' bytes read again from the landing
+    area (each on the Python road, which the golden tests hold to the DuckDB road's rows),
+    staged, rival captures of a feature among them settled (the newest stays), and the check
+    columns computed by the same SQL. Run through the table's checkpoint
+    (``featurehouse-<table>``, see docs/report.md) it fails the records the ingest quarantined,
+    with the same checks, when the inputs were judged in one batch (a run's inputs up to the
+    batch size, 48 MiB or 20,000 activations by default, are one). The records are held in
+    memory: meant for pages and modest export files, not a many-GB export batch.
+    """
+    from ..lake import landing
+    from ..lake import warehouse as lake
+    from . import load, stage
+
+    if table not in SUITES:
+        raise ValueError(f"no suite judges {table!r}: one of {', '.join(SUITES)}")
+    if (run_id is None) == (inputs is None):
+        raise ValueError("name a run (run_id) or inputs (their sha256 digests), not both")
+    settings = lake.settings_for(warehouse)
+    conn = lake.connect(settings, read_only=True)
+    try:
+        if inputs is None:
+            inputs = [sha for (sha,) in conn.execute(
+                "SELECT DISTINCT input_sha256 FROM run_inputs WHERE run_id = ? AND outcome = 'loaded' ORDER BY 1",
+                [run_id]).fetchall()]
+        found = conn.execute("SELECT input_sha256, any_value(format), any_value(captured_at) FROM raw_inputs "
+                             "WHERE input_sha256 IN (SELECT unnest(?::VARCHAR[])) GROUP BY ALL ORDER BY 1",
+                             [list(inputs)]).fetchall()
+    finally:
+        conn.close()
+    missing = sorted(set(inputs) - {sha for sha, _, _ in found})
+    if missing:
+        raise ValueError(f"the warehouse landed no input {missing[0]}")
+    scratch = duckdb.connect()
+    try:
+        stage.read_api_json(scratch, [])  # (no input on the DuckDB roads: empty tables)
+        stage.read_exports(scratch, {})
+        records: dict[str, list[tuple[str, Any]]] = {t: [] for t in stage.STAGED_TABLES}
+        for sha, fmt, _ in found:
+            for parsed in _parse_landed(landing.landed_path(settings.landing_root, sha), fmt or "", settings):
+                for t, kept in records.items():
+                    kept.extend((sha, r) for r in getattr(parsed, t))
+        stage.stage_parsed(scratch, records)
+        del records
+        stage.create_views(scratch)
+        scratch.execute("CREATE TEMP TABLE batch_inputs (input_sha256 VARCHAR, captured_at TIMESTAMP, is_page BOOLEAN)")
+        scratch.executemany("INSERT INTO batch_inputs VALUES (?, ?, ?)",
+                            [(sha, at, not (fmt or "").endswith("export_jsonl")) for sha, fmt, at in found])
+        load.claim_captures(scratch)
+        return _check_frame(scratch, table)
+    finally:
+        scratch.close()
+
+
+def _parse_landed(where: Any, fmt: str, settings: Any) -> Iterator[Any]:
+    """A landed input's records, as the Python road parses them (a gzip export batch, one
+    ``ParsedInput`` per line; a line that is no record, or an input refused, gives none: no
+    suite judged it)."""
+    import gzip
+
+    from ..lake import landing
+
+    if fmt == "gzip+export_jsonl":  # a gzip export batch: its lines, streamed (the ingest's road)
+        with landing.open_landed(where) as raw, gzip.open(raw) as lines:
+            for n, line in enumerate(lines, 1):
+                if line.strip():
+                    try:
+                        yield parse.parse_export_line(line, n)
+                    except parse.Rejected:
+                        continue
+        return
+    try:
+        yield parse.parse_bytes(landing.read_landed(where), settings)
+    except parse.Rejected:
+        return
+
+
 #: Who judges a batch's check columns. ``"duckdb"``: each expectation of a type in ``sql_judge``
 #: is evaluated as SQL in DuckDB, with Great Expectations' semantics (a test holds the two
 #: roads to the same outcome), and Great Expectations records the results for its Data Docs
@@ -360,16 +397,10 @@ def _gx_judge(frames: dict[str, Any], outcome: ValidationOutcome) -> None:
         if n:
             batches, suites = _suites()
             batch = batches[table].get_batch(batch_parameters={"dataframe": frame})
-            # The suite's expectations are marked (None): never memoised, see _memo_configurations.
-            memo = {id(e): (e, None) for e in suites[table].expectations} if MEMOISE_GX else None
-            token = _CONFIG_MEMO.set(memo)
-            try:
-                result = batch.validate(
-                    suites[table],
-                    result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["_row"]},
-                )
-            finally:
-                _CONFIG_MEMO.reset(token)
+            result = batch.validate(
+                suites[table],
+                result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["_row"]},
+            )
             outcome.gx_results[table] = result
             by_row = frame.set_index("_row", drop=False)
             for r in result.results:
@@ -416,27 +447,119 @@ def _gx_judge(frames: dict[str, Any], outcome: ValidationOutcome) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Great Expectations Data Docs. Validation itself runs in the ephemeral context above (fast, no
-# files); each batch's results are then written to a *file* data context under
-# ``<warehouse dir>/gx/`` and its Data Docs site is built for a run at report time.
+# Great Expectations' file data context under ``<warehouse dir>/gx/``: what a Great Expectations
+# user finds there, and where each batch's results are recorded for the Data Docs. Per table:
+# the suite; a pandas data source ``featurehouse`` with a dataframe asset named after the table
+# and its whole-dataframe batch definition; a validation definition (the suite on that batch
+# definition) and a checkpoint ``featurehouse-<table>`` over it, whose action updates the Data
+# Docs. One checkpoint per table: a checkpoint's batch parameters go to every validation
+# definition it holds, and each table's suite judges its own frame. Featurehouse's own judging
+# runs in DuckDB (``sql_judge``) or in the ephemeral context above; its results are recorded
+# here as the checkpoint's run would record them (the same keys' shape, its validation
+# definition's and checkpoint's ids in their meta), and their Data Docs pages built with them.
 
 _PARTIAL = 20  # unexpected values and row indices kept per expectation in the stored results
 
+#: The pandas data source of the file data context; each table's dataframe asset is in it.
+DATA_SOURCE = "featurehouse"
+#: Each asset's batch definition (the whole dataframe a run is given).
+BATCH_DEFINITION = "whole"
+#: The result format of the checkpoints: every failing record, named by its ``record_key``.
+CHECKPOINT_RESULT_FORMAT = {"result_format": "COMPLETE", "unexpected_index_column_names": ["record_key"]}
+#: The name of the checkpoints' action that updates the Data Docs.
+DATA_DOCS_ACTION = "update_data_docs"
+
+
+def checkpoint_name(table: str) -> str:
+    """The checkpoint that validates ``table``'s frame (see ``frame_for``): ``featurehouse-<table>``."""
+    return f"featurehouse-{table}"
+
+
+@dataclass(frozen=True)
+class _Project:
+    """A file data context and, per table, the ids of its validation definition and checkpoint."""
+
+    context: Any
+    ids: dict[str, tuple[str, str]]
+
 
 @functools.lru_cache(maxsize=4)
-def _file_context(project_dir: str):
+def _file_context(project_dir: str) -> _Project:
+    """The file data context in ``project_dir`` (its ``gx/`` folder), with every table's suite,
+    data asset, batch definition, validation definition and checkpoint in it: made the first
+    time, brought up to date with ``schemas/expectations`` when a suite changed there, found as
+    they are afterwards. Under a lock file (``gx/uncommitted/featurehouse-setup.lock``): two
+    processes setting up one warehouse at once do not both add an object (Great Expectations
+    refuses the second: "Store already has the following key"), and none reads the context's
+    configuration half written."""
+    import fcntl
+
     _gx()  # sets up Great Expectations (analytics off) once per process
+    lock_dir = Path(project_dir) / "gx" / "uncommitted"
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    with open(lock_dir / "featurehouse-setup.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            return _set_up_project(project_dir)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _set_up_project(project_dir: str) -> _Project:
     import great_expectations as gx
+    from great_expectations.checkpoint import UpdateDataDocsAction
+    from great_expectations.exceptions import DataContextError
 
     context = gx.get_context(mode="file", project_root_dir=project_dir)
-    existing = {s.name for s in context.suites.all()}
+    try:
+        source = context.data_sources.get(DATA_SOURCE)
+    except KeyError:
+        source = context.data_sources.add_pandas(DATA_SOURCE)
+    ids = {}
     for table in SUITES:
         spec = load_suite(table)
-        if spec["name"] not in existing:
-            context.suites.add(
-                gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
-            )
-    return context
+        wanted = gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
+        try:
+            suite = context.suites.get(spec["name"])
+        except DataContextError:
+            suite = context.suites.add(wanted)
+        else:
+            if _shape(suite) != _shape(wanted) or any(suite.meta.get(k) != v for k, v in wanted.meta.items()):
+                suite = context.suites.add_or_update(wanted)  # the suite changed in schemas/
+        try:
+            asset = source.get_asset(table)
+        except LookupError:
+            asset = source.add_dataframe_asset(table)
+        try:
+            batch = asset.get_batch_definition(BATCH_DEFINITION)
+        except KeyError:
+            batch = asset.add_batch_definition_whole_dataframe(BATCH_DEFINITION)
+        try:
+            definition = context.validation_definitions.get(table)
+            if definition.suite.name != suite.name or definition.data.name != batch.name \
+                    or definition.asset.name != table:
+                raise DataContextError("another validation definition")
+        except DataContextError:
+            definition = context.validation_definitions.add_or_update(
+                gx.ValidationDefinition(name=table, data=batch, suite=suite))
+        name = checkpoint_name(table)
+        try:
+            checkpoint = context.checkpoints.get(name)
+            if [d.name for d in checkpoint.validation_definitions] != [definition.name] \
+                    or not any(isinstance(a, UpdateDataDocsAction) for a in checkpoint.actions) \
+                    or checkpoint.result_format != CHECKPOINT_RESULT_FORMAT:
+                raise DataContextError("another checkpoint")
+        except DataContextError:
+            checkpoint = context.checkpoints.add_or_update(gx.Checkpoint(
+                name=name, validation_definitions=[definition],
+                actions=[UpdateDataDocsAction(name=DATA_DOCS_ACTION)], result_format=CHECKPOINT_RESULT_FORMAT))
+        ids[table] = (definition.id, checkpoint.id)
+    return _Project(context, ids)
+
+
+def _shape(suite: Any) -> list[tuple[str, dict, dict]]:
+    """A suite's expectations as type, arguments and meta (not their ids, which a store gives)."""
+    return [(c.type, c.kwargs, c.meta) for c in (e.configuration for e in suite.expectations)]
 
 
 def _trim(result: Any) -> Any:
@@ -451,15 +574,34 @@ def _trim(result: Any) -> Any:
 
 def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
                   outcome: ValidationOutcome, pages: bool = False) -> int:
-    """Write one batch's Great Expectations results to the file data context in ``project_dir``.
+    """Record one batch's results in the file data context in ``project_dir``, as its table's
+    checkpoint (``featurehouse-<table>``) records a run's.
 
-    Results are keyed by suite, run name ``run_id``, the batch's time and ``batch-<n>``, which is
-    how ``build_data_docs`` finds a run's pages. Trims the stored per-row lists to 20 entries.
-    With ``pages``, also builds the batch's Data Docs pages (not the site's index), so that the
-    run's report has only the index left to build. Returns how many results were written.
+    Results are keyed by suite, run name ``run_id``, the batch's time and ``batch-<n>-<table>``,
+    which is how ``build_data_docs`` finds a run's pages; their meta names the validation
+    definition and checkpoint (their ids), the data source and asset, as a run of the checkpoint
+    has it. Trims the stored per-row lists to 20 entries. With ``pages``, also builds the
+    batch's Data Docs pages (not the site's index), so that the run's report has only the index
+    left to build. Returns how many results were written.
     """
     with _GX_USE:
         return _store(project_dir, run_id, batch_no, validated_at, outcome, pages)
+
+
+def _as_checkpoint_ran(result: Any, project: _Project, table: str, run: Any, validated_at: Any) -> Any:
+    """``result`` with the meta a run of the table's checkpoint gives its result
+    (``ValidationDefinition.run``, ``Checkpoint.run``)."""
+    validation_id, checkpoint_id = project.ids[table]
+    result.meta.update({
+        "active_batch_definition": {"datasource_name": DATA_SOURCE, "data_connector_name": "fluent",
+                                    "data_asset_name": table, "batch_identifiers": {"dataframe": "<DATAFRAME>"}},
+        "validation_id": validation_id,
+        "checkpoint_id": checkpoint_id,
+        "run_id": run,  # shown as the run's name and time on the Data Docs page
+        "validation_time": validated_at,
+        "batch_parameters": {"dataframe": "<DATAFRAME>"},
+    })
+    return result
 
 
 def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
@@ -472,7 +614,8 @@ def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: An
         ValidationResultIdentifier,
     )
 
-    context = _file_context(str(project_dir))
+    project = _file_context(str(project_dir))
+    context = project.context
     if getattr(validated_at, "tzinfo", True) is None:  # our timestamps are naive UTC
         validated_at = validated_at.replace(tzinfo=datetime.timezone.utc)
     run = RunIdentifier(run_name=run_id, run_time=validated_at)
@@ -482,16 +625,15 @@ def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: An
             from .sql_judge import to_great_expectations
 
             result = to_great_expectations(result)
-        key = ValidationResultIdentifier(
-            expectation_suite_identifier=ExpectationSuiteIdentifier(name=result.suite_name),
-            run_id=run,
-            batch_identifier=f"batch-{batch_no:04d}-{table}",
-        )
-        result.meta["run_id"] = run  # shown as the run's name and time on the Data Docs page
-        result.meta["validation_time"] = validated_at
-        context.validation_results_store.set(key, _trim(result))
+        suite = ExpectationSuiteIdentifier(name=result.suite_name)
+        key = ValidationResultIdentifier(expectation_suite_identifier=suite, run_id=run,
+                                         batch_identifier=f"batch-{batch_no:04d}-{table}")
+        context.validation_results_store.store_validation_results(
+            _trim(_as_checkpoint_ran(result, project, table, run, validated_at)), key, suite)
         keys.append(key)
     if pages:
+        # the pages the checkpoint's action (UpdateDataDocsAction) builds, without the site's
+        # index, which it rebuilds from every result stored, of every run (see build_data_docs)
         context.build_data_docs(resource_identifiers=keys, build_index=False)
     return len(outcome.gx_results)
 
@@ -592,7 +734,7 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
     if not index and (site / "index.html").exists() and all(p.exists() for p in pages):
         return pages  # nothing to build: no Great Expectations, nothing read of other runs
     with _GX_USE:
-        context = _file_context(str(project_dir))
+        context = _file_context(str(project_dir)).context
         keys = [k for k in context.validation_results_store.list_keys() if k.run_id.run_name == run_id]
         if not keys:
             return []
