@@ -30,10 +30,10 @@ META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quaranti
 #: not listed counts half a second a test; a test marked ``heavy`` counts its own seconds.
 MODULE_SECONDS = {
     "test_airflow_dags_test": 240, "test_sql_readonly": 160, "test_golden": 80, "test_ingest": 75,
-    "test_found_from_outside": 75, "test_warehouse_portable": 75, "test_hardening2": 60, "test_find": 60,
-    "test_timezones": 55, "test_inbox": 50, "test_report": 50, "test_cli": 50, "test_sql_sandbox": 45,
-    "test_fetch": 45, "test_lakehouse": 45, "test_dags": 40, "test_rerun_cost": 40, "test_fetch_exports": 35,
-    "test_bad_inputs": 35, "test_every_field": 35, "test_snapshots": 30, "test_review17": 25,
+    "test_snapshots": 75, "test_warehouse_portable": 75, "test_find": 60, "test_timezones": 55,
+    "test_inbox": 50, "test_report": 50, "test_cli": 50, "test_sql_sandbox": 45, "test_fetch": 45,
+    "test_lakehouse": 45, "test_dags": 40, "test_rerun_cost": 40, "test_signals": 35, "test_fetch_exports": 35,
+    "test_bad_inputs": 35, "test_every_field": 35, "test_land": 30, "test_disk_full": 10,
 }
 
 
@@ -205,3 +205,12 @@ def run_ingest(inputs, settings: Settings, **kw):
         kw.setdefault("report_after", False)
     kw.setdefault("progress", False)
     return ingest(inputs, settings, **kw)
+
+
+def _empty_warehouse(tmp_path):
+    from pipeline.config import Settings
+    from pipeline.lake import warehouse as wh
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    wh.connect(settings, create=True).close()
+    return settings.warehouse

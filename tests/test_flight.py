@@ -11,7 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.stages import flight
-from tests.conftest import SEED_FLIGHT, good_page
+from tests.conftest import (
+    SEED_FLIGHT,
+    good_page,
+    query,
+    run_ingest,
+)
 from tests.formats import UNDEFINED, FlightWriter, to_flight, to_html
 
 
@@ -203,3 +208,42 @@ def test_references_that_share_a_row_within_the_bound_still_resolve():
     found, page = flight.find_key(flight.parse_rows(data), "initialNeuron")
     assert found and page["a"] == page["b"] == page["c"][0] == {"name": "shared", "n": [1, 2, 3]}
     assert page["c"][1] == [1, 2, 3]
+
+
+# --- flight text: a BigInt past 64 bits in a record stopped every run ------------------------------
+#
+# ``"$n<digits>"`` was decoded to an exact Python int; a record holding one past 64 bits (a value,
+# dataIndex, an extra field) made the run end in a traceback (``TypeError: Integer exceeds 64-bit
+# range`` writing the record out as JSON), so no page of the folder loaded, at every re-run; in a
+# score it was refused as "could not be parsed (TypeError ...)", and over 4,300 digits as
+# "could not be parsed (ValueError ...)".
+
+
+def _flight_with(index: int, placeholder_at, big: str) -> bytes:
+    page = good_page(index)
+    placeholder_at(page)
+    text = to_flight(page, outline=0.0)
+    assert text.count(b'"XX"') == 1
+    return text.replace(b'"XX"', b'"$n' + big.encode() + b'"')
+
+
+def test_a_bigint_past_64_bits_in_flight_text_does_not_stop_the_run(tmp_path, settings):
+    big = "9" * 30
+    pages = {
+        "data_index": _flight_with(101, lambda p: p["activations"][0].__setitem__("dataIndex", "XX"), big),
+        "extra": _flight_with(102, lambda p: p.__setitem__("extraField", "XX"), big),
+        "score": _flight_with(103, lambda p: p["explanations"][0].__setitem__("scores", ["XX"]), big),
+        "token": _flight_with(104, lambda p: p["activations"][0]["tokens"].__setitem__(1, "XX"), "9" * 5000),
+        "value": _flight_with(105, lambda p: p["activations"][1]["values"].__setitem__(1, "XX"), big),
+    }
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, data in pages.items():
+        (folder / f"{name}.txt").write_bytes(data)
+    (folder / "good.txt").write_bytes(to_flight(good_page(106)))
+    summary = run_ingest([folder], settings)
+    assert summary.status == "succeeded"
+    assert summary.n_rejected == 0 and summary.n_loaded == 6
+    assert query(settings, "SELECT count(*) FROM features")[0][0] == 6
+    assert query(settings, "SELECT data_index FROM activations WHERE feature_index = 101 AND data_index IS NOT NULL") \
+        == [("1e+30",)]

@@ -12,6 +12,7 @@ import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import duckdb
 import orjson
 import pytest
 
@@ -19,7 +20,7 @@ from bench.generate import synthetic_page
 from pipeline.config import Settings
 from pipeline.lake.history import BadFeatureKey, changes_since, feature_history, parse_key
 from pipeline.lake.maintain import maintain
-from pipeline.lake.warehouse import connect
+from pipeline.lake.warehouse import attach_sql, connect
 from tests.conftest import good_page, query, run_ingest, table_rows, write
 from tests.formats import to_api_json
 from tests.test_snapshots import T0, _at, page_v
@@ -148,3 +149,27 @@ def test_maintenance_expires_old_history_and_merges_small_files(tmp_path):
         assert v["replaced"] == [] and v["n_activations"] == 40
     cli = fh("maintain", "--warehouse", str(settings.warehouse), "--retention-days", "0", "--grace-minutes", "0")
     assert cli.returncode == 0 and "expired" in cli.stdout and "data files" in cli.stdout
+
+
+def test_a_reader_in_a_transaction_keeps_its_snapshot_across_maintain(tmp_path):
+    """Small commits were kept inline in the catalog, and maintain's flush deleted them under a
+    reader holding a transaction (its activation count went to 0)."""
+    settings = Settings(warehouse=tmp_path / "wh")
+    for i in range(2):  # two small commits (in-process: the set-up)
+        summary = run_ingest([write(tmp_path / f"in{i}" / "p.json", orjson.dumps(synthetic_page(i)))], settings)
+        assert summary.status == "succeeded" and summary.n_loaded == 1, summary
+    conn = duckdb.connect()
+    try:
+        for line in attach_sql(settings):
+            conn.execute(line)
+        conn.execute("BEGIN TRANSACTION")
+        counts = "SELECT (SELECT count(*) FROM activations), (SELECT count(*) FROM runs), (SELECT count(*) FROM quarantine)"
+        before = conn.execute(counts).fetchone()
+        assert before[0] > 0
+        proc = fh("maintain", "--warehouse", str(settings.warehouse), "--retention-days", "0", "--grace-minutes", "0")
+        assert proc.returncode == 0, proc.stderr
+        assert conn.execute(counts).fetchone() == before
+        conn.execute("COMMIT")
+        assert conn.execute(counts).fetchone() == before  # maintenance changes no row
+    finally:
+        conn.close()

@@ -15,8 +15,10 @@ import pytest
 
 from pipeline.config import Settings
 from pipeline.lake.warehouse import BadCatalog
-from pipeline.sources.inbox import DONE_DIR, drain_inbox, pending_files
-from tests.conftest import open_warehouse
+from pipeline.sources.inbox import DONE_DIR, REFUSED_DIR, drain_inbox, pending_files, scan_inbox
+from tests.conftest import (
+    open_warehouse,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = sorted((ROOT / "samples").iterdir())
@@ -215,3 +217,26 @@ def test_a_drain_whose_every_input_was_rejected_says_fail(tmp_path):
     assert result.n_drained == 1  # it landed (as rejected): it leaves the inbox
     assert result.verdict == "FAIL" and "none loaded" in result.verdict_reason
     assert result.as_dict()["verdict"] == "FAIL"
+
+
+# An inbox holding a link to a folder that keeps changing (``/tmp``) counted it as "still being
+# copied" at every drain, for ever: its settle time was read from the folder it points to, which
+# a drain never reads, instead of from the link. (Found reviewing issue 20's fixes from outside.)
+def test_a_link_to_a_busy_folder_is_refused_not_left_waiting_for_ever(tmp_path):
+    """A link is judged by its own age: the folder it points to is never read, and its
+    modification time says nothing about the link (a busy /tmp changes every second)."""
+    inbox, busy = tmp_path / "inbox", tmp_path / "busy"
+    inbox.mkdir()
+    busy.mkdir()
+    (inbox / "to-busy").symlink_to(busy)
+    os.utime(inbox / "to-busy", (time.time() - 3600, time.time() - 3600), follow_symlinks=False)
+    (busy / "just-written").write_text("x")  # the target changed a moment ago
+
+    pending = scan_inbox(inbox, settle_seconds=60)
+    assert pending.waiting == 0
+    assert [(p.name, "link to a folder" in why) for p, why in pending.refused] == [("to-busy", True)]
+
+    result = drain_inbox(inbox, Settings(warehouse=tmp_path / "wh"), "inbox-link", settle_seconds=60)
+    assert (result.n_refused, result.n_waiting) == (1, 0)
+    assert (inbox / REFUSED_DIR / "inbox-link" / "to-busy").is_symlink()
+    assert (busy / "just-written").exists()  # what it points to is left alone

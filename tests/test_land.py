@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import replace
+from pathlib import Path
 
+import orjson
 import pytest
 
+from bench.generate import synthetic_page
+from pipeline.config import Settings
 from pipeline.lake.landing import landed_path
+from pipeline.lake.runstate import RunSummary
 from pipeline.stages.land import land
 from pipeline.stages.receive import Input, InputNotFound, iter_inputs
-from tests.conftest import SEED_FLIGHT, SEED_NOT_A_PAGE, query, run_ingest, write
+from tests.conftest import (
+    SEED_FLIGHT,
+    SEED_NOT_A_PAGE,
+    good_page,
+    query,
+    run_ingest,
+    write,
+)
+from tests.formats import to_api_json
 
 
 def test_receive_walks_folders_sorted_and_skips_hidden(tmp_path):
@@ -315,3 +336,157 @@ def test_a_file_written_through_a_memory_map_is_read_again(tmp_path, settings):
         after = os.stat(page)
         again = run_ingest([tmp_path / "in"], settings)
     assert first.n_landed == 1 and again.n_landed == 1, (before.st_mtime_ns == after.st_mtime_ns, again)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+
+
+def fh(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
+
+
+def test_a_named_pipe_and_a_broken_link_are_refused_and_the_run_goes_on(tmp_path):
+    """A FIFO in an input folder hung the run for ever; a broken symlink crashed it."""
+    folder = tmp_path / "in"
+    write(folder / "good.json", orjson.dumps(synthetic_page(1)))
+    os.mkfifo(folder / "pipe.json")
+    (folder / "gone.json").symlink_to(tmp_path / "nowhere.json")
+    wh = tmp_path / "wh"
+    proc = fh("ingest", str(folder), "--warehouse", str(wh), "--no-progress", "--format", "json", timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    summary = orjson.loads(proc.stdout)
+    assert summary["status"] == "succeeded" and summary["n_loaded"] == 1 and summary["n_rejected"] == 2
+    reasons = sorted(r["reason"] for r in summary["rejected"])
+    assert "symbolic link" in reasons[0] and "nowhere.json, which does not exist" in reasons[0]
+    assert "not a regular file" in reasons[1]
+    assert query(wh, "SELECT count(*) FROM features") == [(1,)]
+
+
+def _adds_up(s) -> None:
+    """Every input a run received is in one category of each kind."""
+    d = s if isinstance(s, dict) else s.as_dict()
+    assert d["n_received"] == d["n_landed"] + d["n_reread"] + d["n_duplicates"] + d["n_unread"], d
+    assert d["n_received"] == d["n_loaded"] + d["n_rejected"] + d["n_duplicates"], d
+
+
+# --- folders that cannot be read, links to folders (issue 17, item 8) -----------------------------
+
+
+def test_a_linked_folder_is_followed_a_loop_and_a_broken_link_are_refused_by_their_own_names(tmp_path, settings):
+    """A symlinked subfolder was skipped ("received 1, rejected 0"); a broken link was reported
+    under its target's name."""
+    folder = tmp_path / "in"
+    write(folder / "a.json", to_api_json(good_page(1)))
+    write(tmp_path / "elsewhere" / "b.json", to_api_json(good_page(2)))
+    (folder / "linked").symlink_to(tmp_path / "elsewhere")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "loop").symlink_to(folder)
+    (folder / "gone.json").symlink_to(tmp_path / "nowhere.json")
+    s = run_ingest([folder], settings)
+    assert sorted(r[0] for r in query(settings.warehouse, "SELECT feature_index FROM features")) == [1, 2]
+    refused = {r["origin"]: r["reason"] for r in s.rejected}
+    assert set(refused) == {str(folder / "gone.json"), str(folder / "sub" / "loop")}
+    assert refused[str(folder / "gone.json")] == (f"it is a symbolic link to {tmp_path / 'nowhere.json'}, "
+                                                  "which does not exist")
+    assert "a folder that contains it (a loop)" in refused[str(folder / "sub" / "loop")]
+    assert (s.n_received, s.n_loaded, s.n_rejected, s.n_unread) == (4, 2, 2, 2)
+    _adds_up(s)
+
+
+_AS_NOBODY = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from pipeline import Settings, ingest
+    from pipeline.sources.inbox import scan_inbox
+    folder, wh, inbox = map(Path, sys.argv[1:4])
+    s = ingest([folder], Settings(warehouse=wh), progress=False, report_after=False)
+    pending = scan_inbox(inbox)
+    print(json.dumps({"summary": s.as_dict(), "ready": [str(p) for p in pending.ready],
+                      "refused": [[str(p), why] for p, why in pending.refused]}))
+""")
+
+
+@pytest.fixture
+def open_tmp():
+    """A temporary folder other users can reach (pytest's own are private to this user)."""
+    path = Path(tempfile.mkdtemp(prefix="featurehouse-nobody-"))
+    path.chmod(0o755)
+    yield path
+    for p in path.rglob("*"):
+        if p.is_dir() and not p.is_symlink():
+            p.chmod(0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_folder_that_cannot_be_read_is_refused_with_its_reason_in_an_ingest_and_an_inbox(open_tmp):
+    """chmod 000 on a subfolder: the ingest said "received 1, rejected 0" and the inbox skipped
+    it. Root reads any folder, so this runs as `nobody`."""
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is needed to run as another user")
+    base = open_tmp / "nobody"
+    folder, inbox, wh = base / "in", base / "inbox", base / "wh"
+    write(folder / "a.json", to_api_json(good_page(1)))
+    write(folder / "closed" / "b.json", to_api_json(good_page(2)))
+    write(inbox / "c.json", to_api_json(good_page(3)))
+    write(inbox / "closed" / "d.json", to_api_json(good_page(4)))
+    for p in [base, *base.rglob("*")]:
+        os.chown(p, 65534, 65534, follow_symlinks=False)
+    for closed in (folder / "closed", inbox / "closed"):
+        closed.chmod(0)
+    probe = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "ls", str(folder / "closed")],
+                           capture_output=True)
+    if probe.returncode == 0:
+        pytest.skip("cannot drop privileges here: a folder with mode 000 is still readable")
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                           _AS_NOBODY, str(folder), str(wh), str(inbox)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    s = out["summary"]
+    assert (s["n_received"], s["n_loaded"], s["n_rejected"], s["n_unread"]) == (2, 1, 1, 1), s
+    _adds_up(s)
+    assert s["rejected"] == [{"origin": str(folder / "closed"),
+                              "reason": "it is a folder that cannot be read (Permission denied); nothing in it was read"}]
+    assert out["ready"] == [str(inbox / "c.json")]
+    assert out["refused"] == [[str(inbox / "closed"),
+                               "it is a folder that cannot be read (Permission denied); nothing in it was read"]]
+
+
+# --- every input a run received is counted once, in one category (issue 17, item 10) ------
+
+
+def test_the_input_counts_add_up_after_a_size_refusal_and_with_reprocess(tmp_path, capsys):
+    """"received 30, new 0, already landed 0, loaded 30": an input landed before and read again
+    (a size limit raised, --reprocess) was in no category."""
+    from pipeline.cli import print_summary
+
+    paths = [write(tmp_path / "in" / f"{i}.json", to_api_json(good_page(i))) for i in (1, 2)]
+    small = Settings(warehouse=tmp_path / "wh", max_input_bytes=100)
+    refused = run_ingest(paths, small)
+    assert (refused.n_landed, refused.n_rejected) == (2, 2)
+    raised = run_ingest(paths, replace(small, max_input_bytes=Settings.max_input_bytes))
+    assert (raised.n_landed, raised.n_reread, raised.n_duplicates, raised.n_loaded) == (0, 2, 0, 2)
+    again = run_ingest(paths, raised_settings := replace(small, max_input_bytes=Settings.max_input_bytes),
+                       reprocess=True)
+    assert (again.n_reread, again.n_loaded) == (2, 2)
+    skipped = run_ingest(paths, raised_settings)
+    assert (skipped.n_duplicates, skipped.n_loaded) == (2, 0)
+    for s in (refused, raised, again, skipped):
+        _adds_up(s)
+    assert query(small.warehouse, "SELECT n_received, n_landed, n_reread, n_duplicates, n_unread FROM runs "
+                 "ORDER BY started_at") == [(2, 2, 0, 0, 0), (2, 0, 2, 0, 0), (2, 0, 2, 0, 0), (2, 0, 0, 2, 0)]
+    print_summary(again)
+    line = capsys.readouterr().out.splitlines()[1]
+    assert "received 2 = new 0 + read again 2 + already landed 0 + not readable 0" in line, line
+
+
+def test_the_summary_line_names_every_category(capsys):
+    from pipeline.cli import print_summary
+
+    print_summary(RunSummary(run_id="r", warehouse="w", n_received=7, n_landed=1, n_reread=2, n_duplicates=3,
+                             n_unread=1, n_loaded=2, n_rejected=2))
+    out = capsys.readouterr().out
+    assert "received 7 = new 1 + read again 2 + already landed 3 + not readable 1" in out
+    assert "loaded 2, rejected 2 (1 not readable), skipped 3" in out

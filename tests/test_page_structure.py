@@ -14,8 +14,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 from datetime import datetime
+from pathlib import Path
 
 import jsonschema
 import orjson
@@ -23,9 +27,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench.generate import synthetic_page
 from pipeline.config import SCHEMAS_DIR, Settings
 from pipeline.stages.parse import Rejected, check_page, json_view
-from tests.conftest import good_page, open_warehouse, query, run_ingest, write
+from tests.conftest import (
+    good_page,
+    open_warehouse,
+    query,
+    run_ingest,
+    write,
+)
 from tests.formats import to_api_json, to_flight, to_html
 
 _SCHEMA_REASON = "does not match the feature page schema at"
@@ -364,3 +375,35 @@ def test_a_value_that_is_not_a_number_in_an_export_batch_fails_one_check_on_both
         ("act-gpt-oss-20b-export-src-21-0", "values_not_null"), ("act-gpt-oss-20b-export-src-22-0", "values_not_null")]
     assert query(settings.warehouse, "SELECT feature_index, count(*) FROM activations GROUP BY 1 ORDER BY 1") == [
         (21, 2), (22, 2)]
+
+
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+
+
+def fh(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ))
+
+
+def test_a_page_with_nan_and_a_bad_record_is_refused_and_the_run_goes_on(tmp_path):
+    """DuckDB reads NaN, Infinity and 1e400; cutting the refused record out of such a page with
+    simdjson failed and stopped the whole run. Such a page is not JSON: the Python road refused
+    it while DuckDB's loaded it (issue 17 review: one outcome on every road), so both refuse it
+    now, with the reason, and the other pages load."""
+    page = synthetic_page(3, valid=False)  # keeps the seed's one bad activation
+    text = orjson.dumps(page).replace(b'"maxActApprox":', b'"maxActApprox":NaN,"_was":', 1)
+    first_value = page["activations"][0]["maxValue"]
+    text = text.replace(f'"maxValue":{orjson.dumps(first_value).decode()}'.encode(), b'"maxValue":1e400', 1)
+    settings = Settings(warehouse=tmp_path / "wh")
+    write(tmp_path / "in" / "good.json", orjson.dumps(synthetic_page(4, valid=False)))
+    for name, data in (("nan.json", text), ("nan-pretty.json", text.replace(b',"', b',\n"'))):
+        write(tmp_path / "in" / name, data)
+    proc = fh("ingest", str(tmp_path / "in"), "--warehouse", str(settings.warehouse), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert query(settings.warehouse, "SELECT status FROM runs") == [("succeeded",)]
+    refused = query(settings.warehouse, "SELECT origin, reason FROM raw_inputs WHERE status = 'rejected' ORDER BY 1")
+    assert [o.rsplit("/", 1)[1] for o, _ in refused] == ["nan-pretty.json", "nan.json"]
+    assert all("not valid JSON" in reason for _, reason in refused), refused
+    assert query(settings.warehouse, "SELECT feature_index FROM features") == [(4,)]
+    (n,) = query(settings.warehouse, "SELECT count(*) FROM quarantine WHERE record_kind = 'activation'")[0]
+    assert n >= 1  # the good page's own bad record

@@ -8,16 +8,25 @@ files (fetched bodies carry their fetch time).
 from __future__ import annotations
 
 import copy
+import csv
 import gzip
+import io
+import json
 import os
+import subprocess
+import sys
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import orjson
 import pytest
 
 from pipeline.config import Settings
-from tests.conftest import good_page, query, run_ingest, write
+from pipeline.lake.history import changes_since, feature_history, parse_key
+from pipeline.lake.warehouse import connect
+from tests.conftest import good_page, query, run_ingest, table_rows, write
 from tests.formats import to_api_json, to_flight
+from tests.test_land import _adds_up
 
 KEY = ("gpt-oss-20b", "11-resid-post-aa", 7)
 T0 = datetime(2026, 1, 1, 12, 0, 0)  # captures are in the past: a future time counts as now
@@ -156,3 +165,181 @@ def test_a_capture_without_explanations_removes_the_old_ones(tmp_path, settings,
     bare["explanations"] = []
     run_ingest([_at(write(tmp_path / "b" / "v2", enc(bare)), T0 + timedelta(days=1))], settings)
     assert _state(settings)["explanations"] == []
+
+
+FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
+
+
+def fh(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(FEATUREHOUSE), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_a_capture_dated_in_the_future_does_not_beat_later_captures(tmp_path):
+    """A file whose mtime was in the future (a wrong clock, ``touch -d 2099``) kept its feature
+    for ever: every later capture, older by its own time, lost to it."""
+    import os
+
+    from pipeline.config import Settings
+    from tests.conftest import write
+    from tests.formats import to_api_json
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    old = good_page(7, source="future-src")
+    old["explanations"][0]["description"] = "from a clock that ran ahead"
+    first = write(tmp_path / "a" / "page.json", to_api_json(old))
+    os.utime(first, (4070908800, 4070908800))  # 2099-01-01
+    assert run_ingest([first], settings).n_loaded == 1
+    new = good_page(7, source="future-src")
+    new["explanations"][0]["description"] = "captured later"
+    second = write(tmp_path / "b" / "page.json", to_api_json(new))
+    assert run_ingest([second], settings).status == "succeeded"
+    assert query(settings.warehouse, "SELECT description FROM explanations") == [("captured later",)]
+    (when,) = query(settings.warehouse, "SELECT max(captured_at) FROM raw_inputs")[0]
+    assert when.year < 2099
+
+
+JAN, FEB, MAR = T0, T0 + timedelta(days=31), T0 + timedelta(days=59)
+
+
+# --- the newest capture wins, whatever its bytes (issue 17, item 3) -------------------------------
+
+
+def _captures(settings: Settings) -> set:
+    return set(query(settings.warehouse, "SELECT table_name, captured_at FROM feature_captures"))
+
+
+def test_the_newest_capture_wins_when_its_bytes_equal_an_older_one(tmp_path, settings):
+    """t1 (v1, Jan), t2 (v2, Feb), t3 (a copy of t1's bytes, Mar): t3 was skipped as already
+    landed and the warehouse kept v2. Three runs, and one run, now end with v1 captured in March."""
+    t1 = _at(write(tmp_path / "a" / "t1.json", to_api_json(page_v(1))), JAN)
+    t2 = _at(write(tmp_path / "b" / "t2.json", to_api_json(page_v(2))), FEB)
+    t3 = _at(write(tmp_path / "c" / "t3.json", t1.read_bytes()), MAR)
+    for path in (t1, t2):
+        run_ingest([path], settings)
+    s = run_ingest([t3], settings)
+    assert _state(settings) == V1, "the newest capture (t3, the bytes of v1) must win"
+    assert _captures(settings) == {(t, MAR) for t in ("features", "activations", "explanations")}
+    assert (s.n_received, s.n_reread, s.n_duplicates, s.n_loaded, s.n_features) == (1, 1, 0, 1, 1)
+    _adds_up(s)
+    assert query(settings.warehouse, "SELECT captured_at FROM raw_inputs WHERE origin = ?", [str(t1)]) == [(MAR,)]
+
+    one_run = Settings(warehouse=tmp_path / "one-run")
+    s = run_ingest([t1, t2, t3], one_run)
+    assert _state(one_run) == V1 and _captures(one_run) == _captures(settings)
+    _adds_up(s)
+
+
+def test_a_newer_copy_of_what_is_loaded_moves_its_capture_time_without_reading_it(tmp_path, settings):
+    """The same bytes captured later change nothing but the capture's time, which later
+    decisions compare with: a capture made in between (v2, Feb) then arrives too late."""
+    t1 = _at(write(tmp_path / "a" / "t1.json", to_api_json(page_v(1))), JAN)
+    run_ingest([t1], settings)
+    s = run_ingest([_at(write(tmp_path / "c" / "t3.json", t1.read_bytes()), MAR)], settings)
+    assert (s.n_received, s.n_duplicates, s.n_reread, s.n_loaded) == (1, 1, 0, 0), "read again for nothing"
+    assert _captures(settings) == {(t, MAR) for t in ("features", "activations", "explanations")}
+    with connect(settings, read_only=True) as conn:
+        assert changes_since(conn, s.run_id)[1] == [], "the same bytes captured again are no change"
+        assert len(feature_history(conn, parse_key("gpt-oss-20b/11-resid-post-aa/7"))) == 1
+    late = run_ingest([_at(write(tmp_path / "b" / "t2.json", to_api_json(page_v(2))), FEB)], settings)
+    assert late.n_superseded == 3 and _state(settings) == V1
+
+
+# --- one activation id in two features (issue 17, items 4 and 9) ----------------------------------
+
+
+def _rival_pages() -> tuple[dict, dict]:
+    """Feature 1, and feature 2 whose page also lists two of feature 1's activations."""
+    one, two = good_page(1), good_page(2)
+    for a in one["activations"][:2]:
+        two["activations"].append({**copy.deepcopy(a), "index": "2"})
+    return one, two
+
+
+STATE_TABLES = ("features", "activations", "explanations", "feature_activation_stats", "source_activation_stats")
+
+
+def _tables(settings: Settings) -> dict[str, list]:
+    return {t: table_rows(settings.warehouse, t) for t in STATE_TABLES}
+
+
+@pytest.fixture(scope="module")
+def rivals(tmp_path_factory):
+    """The two pages (feature 1 captured in January, feature 2 in February) loaded in one run,
+    in two runs in capture order, and in two runs the other way round."""
+    root = tmp_path_factory.mktemp("rivals")
+    one, two = _rival_pages()
+    p1 = _at(write(root / "in" / "1.json", to_api_json(one)), JAN)
+    p2 = _at(write(root / "in" / "2.json", to_api_json(two)), FEB)
+    out = {}
+    for name, runs in {"one run": [[p1, p2]], "two runs": [[p1], [p2]], "newer first": [[p2], [p1]]}.items():
+        settings = Settings(warehouse=root / name.replace(" ", "-"))
+        out[name] = (settings, [run_ingest(paths, settings, run_id=f"r{i}").run_id for i, paths in enumerate(runs)])
+    return out
+
+
+def test_an_id_in_two_features_gives_the_same_tables_however_the_pages_are_batched(rivals):
+    """One run quarantined both copies of the ids (72 activations) where two runs moved them to
+    the later capture (75). One rule now: the newer capture keeps each id."""
+    expected = _tables(rivals["two runs"][0])
+    owners = dict(query(rivals["two runs"][0].warehouse,
+                        "SELECT feature_index, count(*) FROM activations GROUP BY 1 ORDER BY 1"))
+    assert owners == {1: 1, 2: 5}, "feature 2 (the newer capture) keeps the two ids"
+    for name in ("one run", "newer first"):
+        settings = rivals[name][0]
+        assert _tables(settings) == expected, name
+        assert query(settings.warehouse, "SELECT count(*) FROM quarantine") == [(0,)], name
+
+
+def test_on_equal_capture_times_the_larger_digest_keeps_the_id_in_any_batching(tmp_path):
+    one, two = _rival_pages()
+    p1 = _at(write(tmp_path / "in" / "1.json", to_api_json(one)), JAN)
+    p2 = _at(write(tmp_path / "in" / "2.json", to_api_json(two)), JAN)
+    together, apart = Settings(warehouse=tmp_path / "together"), Settings(warehouse=tmp_path / "apart")
+    run_ingest([p1, p2], together)
+    run_ingest([p2], apart)
+    run_ingest([p1], apart)
+    assert _tables(together) == _tables(apart)
+    (winner,) = query(together.warehouse, "SELECT max(input_sha256) FROM raw_inputs")[0]
+    shared = [a["id"] for a in one["activations"][:2]]
+    assert {r[0] for r in query(together.warehouse, "SELECT DISTINCT input_sha256 FROM activations WHERE "
+                                "list_contains(?, activation_id)", [shared])} == {winner}
+
+
+def test_a_newer_copy_of_a_page_takes_back_the_ids_an_older_capture_took(tmp_path):
+    """Captures in order: feature 1 (Jan), feature 2 (Feb) with two of its ids, feature 1 again
+    (the same bytes, Mar): the ids are feature 1's again, in three runs as in one."""
+    one, two = _rival_pages()
+    p1 = _at(write(tmp_path / "a" / "1.json", to_api_json(one)), JAN)
+    p2 = _at(write(tmp_path / "b" / "2.json", to_api_json(two)), FEB)
+    p1_again = _at(write(tmp_path / "c" / "1.json", p1.read_bytes()), MAR)
+    runs, together = Settings(warehouse=tmp_path / "runs"), Settings(warehouse=tmp_path / "together")
+    for path in (p1, p2):
+        run_ingest([path], runs)
+    s = run_ingest([p1_again], runs)
+    assert (s.n_reread, s.n_loaded) == (1, 1), "rows of its were taken: the newer capture reads it again"
+    run_ingest([p1, p2, p1_again], together)
+    owners = dict(query(runs.warehouse, "SELECT feature_index, count(*) FROM activations GROUP BY 1 ORDER BY 1"))
+    assert owners == {1: 3, 2: 3}
+    assert _tables(runs) == _tables(together)
+
+
+def test_history_and_changes_show_the_feature_that_lost_activations(rivals):
+    """Feature 1 went from 3 activations to 1 when feature 2's capture took two: `changes` listed
+    only feature 2 and `history` still showed 3."""
+    settings, (first, second) = rivals["two runs"]
+    with connect(settings, read_only=True) as conn:
+        _, changes = changes_since(conn, second)
+        versions = feature_history(conn, parse_key("gpt-oss-20b/11-resid-post-aa/1"))
+    by_feature = {c["feature"]: c for c in changes}
+    assert set(by_feature) == {"gpt-oss-20b/11-resid-post-aa/1", "gpt-oss-20b/11-resid-post-aa/2"}
+    lost = by_feature["gpt-oss-20b/11-resid-post-aa/1"]
+    assert lost["change"] == "changed" and {"field": "n_activations", "before": 3, "after": 1} in lost["what"]
+    assert [(v["run_id"], v["n_activations"]) for v in versions] == [(first, 3), (second, 1)]
+    assert versions[1]["replaced"] == [] and versions[1]["lost"] == ["activations"]
+
+    out = fh("changes", "--since", second, "--warehouse", str(settings.warehouse), "--format", "csv")
+    assert out.returncode == 0, out.stderr
+    rows = {r["feature"]: r for r in csv.DictReader(io.StringIO(out.stdout))}
+    what = json.loads(rows["gpt-oss-20b/11-resid-post-aa/1"]["what"])  # JSON text, not a Python repr
+    assert {"field": "n_activations", "before": 3, "after": 1} in what
