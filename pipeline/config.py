@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
@@ -48,6 +49,32 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     return raw.lower()
 
 
+#: A PostgreSQL password: libpq's ``password=...`` (quoted or not), a URL's ``user:password@``.
+_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+_URL_PASSWORD = re.compile(r"(postgres(?:ql)?(?:\+\w+)?://[^:/@\s]*:)([^@\s]+)(@)", re.IGNORECASE)
+
+
+def without_password(text: str) -> str:
+    """``text`` with every PostgreSQL password in it (libpq ``password=...``, a URL's) as ``***``:
+    for anything shown or logged (``featurehouse config``, error messages, the web app)."""
+    return _URL_PASSWORD.sub(r"\1***\3", _PASSWORD.sub(r"\1***", text))
+
+
+def postgres_catalog(catalog: str) -> str:
+    """A PostgreSQL catalog setting as DuckLake takes it: ``postgres:`` and a libpq string or URL.
+    ``postgresql://...`` and ``postgres://...`` (a bare URL) and ``postgresql:dbname=...`` name
+    the same catalog as ``postgres:postgresql://...`` and ``postgres:dbname=...``; any other
+    text is returned as it is."""
+    low = catalog.lower()
+    if low.startswith(("postgresql://", "postgres://")):
+        return "postgres:" + catalog
+    if low.startswith("postgresql:"):
+        return "postgres:" + catalog.split(":", 1)[1]
+    if low.startswith("postgres:") and not catalog.startswith("postgres:"):  # POSTGRES:...
+        return "postgres:" + catalog.split(":", 1)[1]
+    return catalog
+
+
 #: The values of ``Settings.data_docs``.
 DATA_DOCS = ("run", "report")
 
@@ -62,8 +89,11 @@ class Settings:
     Expectations' files, unless the settings below put some of them elsewhere."""
 
     catalog: str | None = None
-    """The DuckLake catalog: `sqlite:<file>` or `postgres:<libpq connection string>`;
-    `$FEATUREHOUSE_CATALOG`, else `sqlite:<warehouse>/catalog.sqlite`."""
+    """The DuckLake catalog: `sqlite:<file>` or `postgres:<libpq connection string or URL>`
+    (`postgres:dbname=... host=...`, `postgres:postgresql://user:pw@host:port/db`; a bare
+    `postgresql://...` URL is taken as the latter); `$FEATUREHOUSE_CATALOG`, else
+    `sqlite:<warehouse>/catalog.sqlite`. Its password is never shown (`featurehouse config`
+    prints `***`)."""
 
     data_path: str | None = None
     """Where DuckLake writes Parquet data files: a folder or `s3://bucket/prefix/`;
@@ -145,7 +175,7 @@ class Settings:
     @property
     def catalog_url(self) -> str:
         """The catalog as DuckLake names it after ``ducklake:`` (``sqlite:...`` or ``postgres:...``)."""
-        return self.catalog or f"sqlite:{(self.warehouse / 'catalog.sqlite').absolute()}"
+        return postgres_catalog(self.catalog) if self.catalog else f"sqlite:{(self.warehouse / 'catalog.sqlite').absolute()}"
 
     @property
     def catalog_kind(self) -> str:
@@ -197,17 +227,20 @@ class Settings:
     def described(self, overrides: dict[str, object] | None = None) -> list[dict[str, str]]:
         """Every setting in effect and where it came from (``featurehouse config``): a command
         line option (``overrides``), the environment variable that set it, or the default; the
-        paths derived from them after."""
+        paths derived from them after. A catalog's password is shown as ``***``."""
         given = {k for k, v in (overrides or {}).items() if v is not None}
         rows = []
         for f in fields(self):
             names = _ENV.get(f.name, ())
             set_by = next((n for n in names if _env_str(n)), None)
             source = ("command line" if f.name in given else f"${set_by}" if set_by else "default")
-            rows.append({"setting": f.name, "value": "" if getattr(self, f.name) is None else str(getattr(self, f.name)),
+            value = "" if getattr(self, f.name) is None else str(getattr(self, f.name))
+            rows.append({"setting": f.name, "value": without_password(value) if f.name == "catalog" else value,
                          "from": source, "variables": ", ".join(f"${n}" for n in names)})
         for name in ("catalog_url", "data_url", "landing_url", "report_dir", "find_index_dir", "gx_dir"):
-            rows.append({"setting": name, "value": str(getattr(self, name)), "from": "derived", "variables": ""})
+            value = str(getattr(self, name))
+            rows.append({"setting": name, "value": without_password(value) if name == "catalog_url" else value,
+                         "from": "derived", "variables": ""})
         return rows
 
     @classmethod

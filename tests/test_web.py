@@ -7,6 +7,7 @@ Screenshots of each view go to build/screenshots/ (kept as the run's artefacts).
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import orjson
 import pytest
 
 from pipeline.config import Settings
-from tests.conftest import good_page, query, run_ingest, write
+from tests.conftest import SEED_FLIGHT, good_page, query, run_ingest, write
 
 pytestmark = pytest.mark.xdist_group("web")
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,3 +228,100 @@ def test_what_an_outside_review_broke_answers_as_a_page(served):
     assert status == 200 and "page 1 of 1" in body
     assert get("/by-token?t=%00")[0] == 200
     assert get("/runs/no-such-run/quarantine")[0] == 404
+
+
+# --- a PostgreSQL catalog that stops under the server ------------------------------------------
+
+
+def _get(base: str, path: str) -> tuple[int, str, dict]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base + path, timeout=60) as r:
+            return r.status, r.read().decode(), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(), dict(e.headers)
+
+
+@pytest.mark.postgres
+def test_a_postgresql_catalog_that_stops_is_a_503_page_never_its_password(tmp_path):
+    """Review 41 B1: with the catalog's PostgreSQL stopped, every page was a 500 whose body held
+    DuckDB's IOException, which echoes the libpq string, password and all, and the server's log
+    two tracebacks a request with it. Now: a 503 page of one line naming the server and what to
+    do, the same line in the log, no traceback; the pages answer again once it is started."""
+    import re
+
+    from pipeline.lake import warehouse as wh
+    from tests.airflow_helpers import _as_postgres, pg_bin, postgres_cluster
+    from tests.test_lakehouse import _stop_postgres
+
+    if pg_bin() is None:
+        pytest.fail("PostgreSQL is not installed: .ci/run installs it (apt-get install postgresql)")
+    secret = "Sekr3t-pw_XYZ"
+    with postgres_cluster(password=secret) as pg:
+        settings = Settings(warehouse=tmp_path / "wh", catalog=pg.catalog)
+        wh.connect(settings, create=True).close()  # an empty warehouse: the pages need no rows to fail
+        port = _port()
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
+                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT, env={**os.environ, "FEATUREHOUSE_CATALOG": pg.catalog})
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+                    time.sleep(0.1)
+            assert _get(base, "/")[0] == 200
+            pg_port = re.search(r"port=(\d+)", pg.catalog)[1]
+            data = next(p.parent for p in Path("/tmp").glob("featurehouse-pg-*/data/postmaster.pid")
+                        if p.read_text().splitlines()[3].strip() == pg_port)
+            _stop_postgres(pg.catalog)
+            answers = {path: _get(base, path) for path in ("/", "/runs", "/search?q=cpu", "/sql?q=SELECT%201")}
+            # started again: the kept connections answer again, nothing to restart
+            subprocess.run(_as_postgres([str(pg_bin() / "pg_ctl"), "-D", str(data), "-l", str(data.parent / "log"),
+                                         "-o", f"-p {pg_port} -k {data.parent / 'sock'} -c listen_addresses=127.0.0.1",
+                                         "-w", "start"]), check=True, capture_output=True, timeout=60)
+            again = _get(base, "/")[0]
+        finally:
+            proc.terminate()
+            _, log = proc.communicate(timeout=20)
+    for path, (status, body, headers) in answers.items():
+        assert status == 503 and headers.get("retry-after") == "30", (path, status, body[-2000:])
+        assert secret not in body and "IOException" not in body, (path, body)
+        assert "The catalog does not answer" in body and f"PostgreSQL catalog (127.0.0.1:{pg_port}, database " \
+               "featurehouse) does not answer" in body and "Start PostgreSQL" in body, (path, body)
+    assert again == 200
+    assert secret not in log and "Traceback" not in log, log[-3000:]
+    assert log.count("does not answer") == len(answers), log
+
+
+def test_a_failure_is_a_page_of_one_line_and_a_log_without_the_password(tmp_path, monkeypatch, caplog):
+    """Review 41 B1: any other error's words, on the page and in the log, pass through the
+    password's redaction; Starlette's handler raised the error again for uvicorn to log it
+    whole: it goes no further than the page now."""
+    import logging
+
+    from starlette.testclient import TestClient
+
+    from pipeline.outputs import find, web
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([SEED_FLIGHT], settings)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("could not reach postgres:dbname=x host=db password='Sekr 3t' nor "
+                           "postgresql://fh:Sekr3t@db:5432/x\nsecond line")
+
+    monkeypatch.setattr(find, "show", broken)
+    with caplog.at_level(logging.WARNING, logger="pipeline.outputs.web"), TestClient(web.make_app(settings), base_url="http://127.0.0.1") as client:
+        r = client.get("/f/gpt-oss-20b/11-resid-post-aa/45698")
+    assert r.status_code == 500 and "Could not answer" in r.text
+    assert "RuntimeError: could not reach postgres:dbname=x host=db password=***" in r.text
+    assert "Sekr" not in r.text and "second line" not in r.text
+    logged = "\n".join(rec.getMessage() + (str(rec.exc_info) if rec.exc_info else "") for rec in caplog.records)
+    assert "Traceback" in logged and "fh:***@db:5432" in logged and "Sekr" not in logged, logged

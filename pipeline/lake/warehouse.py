@@ -493,9 +493,11 @@ def _attach(conn: duckdb.DuckDBPyConnection, settings: Settings, opts: list[str]
 
 
 def _redact(url: str) -> str:
-    """A catalog URL for messages: without its password."""
-    url = re.sub(r"(password\s*=\s*)\S+", r"\1***", url, flags=re.I)
-    return re.sub(r"(://[^:/@]+:)[^@]+@", r"\1***@", url)
+    """A catalog URL for messages: without its password (a quoted one with spaces in it, a URL's
+    with no user name too: catalog_down.redact)."""
+    from .catalog_down import redact
+
+    return redact(url)
 
 
 def connect(where: Settings | str | os.PathLike, *, read_only: bool = False, create: bool = False,

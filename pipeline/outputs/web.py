@@ -14,6 +14,11 @@ refresh it. A query typed into ``/sql`` runs in a ``featurehouse sql`` child pro
 confined and sandboxed as the command is (a long-lived server cannot confine itself and go on
 reading the find index). Every text from the warehouse is escaped by Jinja2's autoescape, and
 no asset comes from outside: the CSS and the few lines of script are in the pages.
+
+A request that fails is answered with a page of one line, never a traceback, and nothing it
+shows or logs carries the catalog's password (DuckDB's errors echo the libpq string): a
+PostgreSQL catalog that does not answer is a 503 naming its server (reload once it is started);
+any other failure a 500 with the error's first line.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -35,6 +41,7 @@ from urllib.parse import quote
 import duckdb
 
 from ..config import Settings
+from ..lake import catalog_down
 from ..lake import warehouse as warehouse_mod
 from . import find
 from .text import rounded, visible_token
@@ -77,13 +84,13 @@ class _State:
                         self.finder = find.Finder(self.settings)
                         self.finder_error = None
                     except (find.FindIndexMissing, find.FindIndexStale, PermissionError) as exc:
-                        self.finder_error = str(exc)
+                        self.finder_error = catalog_down.redact(str(exc))
                         return None
                 try:
                     return fn(self.finder)
                 except (find.FindIndexMissing, find.FindIndexStale, OSError, duckdb.IOException) as exc:
                     # the index was moved, damaged or rebuilt under it: opened again once
-                    self.finder_error = str(exc)
+                    self.finder_error = catalog_down.redact(str(exc))
                     with contextlib.suppress(Exception):
                         self.finder.close()
                     self.finder = None
@@ -157,6 +164,9 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
 
     def page(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
         t0 = ctx.pop("_t0", None)
+        for said in ("message", "note", "error"):  # an error's words: never the catalog's password
+            if isinstance(ctx.get(said), str):
+                ctx[said] = catalog_down.redact(ctx[said])
         snap = _snapshot(_lake(settings).conn)
         body = env.get_template(name).render(snapshot=snap, **ctx)
         headers = {"Server-Timing": f"app;dur={1000 * (time.perf_counter() - t0):.1f}"} if t0 else {}
@@ -399,7 +409,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
             proc.wait()
             proc.timer.cancel()
             if proc.returncode != 0:
-                return PlainTextResponse(err.removeprefix("Error: ") + "\n", status_code=400)
+                return PlainTextResponse(catalog_down.redact(err.removeprefix("Error: ")) + "\n", status_code=400)
 
         def stream():
             try:
@@ -418,12 +428,56 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         return page("error.html.j2", status=404, message=f"nothing at {request.url.path}")
 
     def failed(request: Request, exc: Exception) -> Response:
-        """Any other error: one line on a page (the warehouse moved away, a damaged index...)."""
-        log.warning("%s failed: %s", request.url.path, exc, exc_info=exc)
+        """Any other error: one line on a page (the warehouse moved away, a damaged index...); a
+        PostgreSQL catalog that does not answer: 503, its server named, never its password."""
+        line = catalog_down.said(exc, settings.catalog_url, again="reload this page")
+        if line is not None:
+            log.warning("%s: %s", request.url.path, line)  # one line: the state of a server, no bug
+            title, status, headers = "The catalog does not answer", 503, {"Retry-After": "30"}
+        else:
+            text = str(exc).strip()
+            line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+            # the traceback, as text: a logging handler formats exc_info itself, password and all
+            log.warning("%s failed: %s", request.url.path,
+                        catalog_down.redact("".join(traceback.format_exception(exc)).rstrip()))
+            title, status, headers = "Could not answer", 500, {}
         body = env.get_template("error.html.j2").render(
-            snapshot={"id": "?", "time": "unknown"}, title="Could not answer",
-            message=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        return HTMLResponse(body, status_code=500)
+            snapshot={"id": "?", "time": "unknown"}, title=title, message=catalog_down.redact(line))
+        return HTMLResponse(body, status_code=status, headers=headers)
+
+    class Guard:
+        """The outermost layer: a request that raised is answered by ``failed`` and goes no
+        further. (Starlette's own handler of ``Exception`` raises it again after answering, for
+        the server to log: uvicorn's traceback, with DuckDB's words, password and all.)"""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                await self.app(scope, receive, send)
+                return
+            started = False
+
+            async def sending(message):
+                nonlocal started
+                if message["type"] == "http.response.start":
+                    started = True
+                await send(message)
+
+            try:
+                await self.app(scope, receive, sending)
+            except Exception as exc:  # noqa: BLE001 - every failure is answered, none escapes
+                from starlette.concurrency import run_in_threadpool
+
+                try:
+                    response = await run_in_threadpool(failed, Request(scope), exc)  # said() may ask the server: 3 s
+                except Exception as worse:  # noqa: BLE001 - the error page itself failed: a line, no more
+                    log.warning("%s failed, and its error page too: %s", scope.get("path"),
+                                catalog_down.redact(f"{type(worse).__name__}: {worse}"))
+                    response = PlainTextResponse("featurehouse could not answer this request\n", status_code=500)
+                if not started:
+                    await response(scope, receive, send)
 
     routes = [
         Route("/", home), Route("/search", home), Route("/by-token", by_token),
@@ -447,7 +501,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
     # (DNS rebinding) is refused, so "loopback only" holds against web pages the user visits.
     hosts = ["localhost", "127.0.0.1", "[::1]", "::1"] + ([] if not host else ["*"] if host in ("0.0.0.0", "::")
                                                          else [host])
-    app = Starlette(routes=routes, exception_handlers={404: not_found, Exception: failed}, lifespan=lifespan,
-                    middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
+    app = Starlette(routes=routes, exception_handlers={404: not_found}, lifespan=lifespan,
+                    middleware=[Middleware(Guard), Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
     app.state.featurehouse = state
     return app
