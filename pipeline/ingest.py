@@ -62,6 +62,7 @@ from .stages.load import (
 )
 from .stages.parse import (
     PAGE_KEY_BYTES,
+    NotAnObject,
     Rejected,
     first_lines,
     gunzip_measure,
@@ -555,30 +556,50 @@ class _Run:
                 if landed.sha256 in exports.refused:
                     self._reject(batch, landed, "gzip+export_jsonl", exports.refused[landed.sha256])
                     continue
-                self.summary.n_loaded += 1
-                batch.inputs.append((landed, "gzip+export_jsonl", None))
-                batch.bad_lines.extend(
+                bad_lines = [
                     {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
                      "record_key": f"line {bad.line_no}", "check_name": BAD_LINE_CHECK,
                      "detail": f"line {bad.line_no} of {landed.input.origin} {bad.problem}",
                      "record_json": orjson.dumps(bad.text).decode()}
                     for bad in exports.bad_lines.get(landed.sha256, ())
-                )
-                self._read_lines_in_python(batch, landed, table, exports.python_lines.get(landed.sha256, ()))
+                ]
+                records = self._read_lines_in_python(landed, table, exports.python_lines.get(landed.sha256, ()),
+                                                     bad_lines)
+                if len(bad_lines) > stage.MAX_BAD_LINES:  # counted as the plain-lines road counts them
+                    self.conn.execute(f"DELETE FROM fast_export_{table} WHERE input_sha256 = ?", [landed.sha256])
+                    first = min((b["detail"] for b in bad_lines), key=lambda d: int(d.split(" ", 2)[1]))
+                    self._reject(batch, landed, "gzip+export_jsonl",
+                                 f"more than {stage.MAX_BAD_LINES:,} of its lines are no records (the first: "
+                                 f"{first.replace(f' of {landed.input.origin}', '', 1)}); "
+                                 "refused whole: it is not a readable export batch")
+                    continue
+                self.summary.n_loaded += 1
+                batch.inputs.append((landed, "gzip+export_jsonl", None))
+                batch.bad_lines.extend(bad_lines)
+                if records is not None:
+                    batch.parsed.append((landed.sha256, records))
 
-    def _read_lines_in_python(self, batch: _Batch, landed: Landed, table: str, lines: Any) -> None:
+    def _read_lines_in_python(self, landed: Landed, table: str, lines: Any, bad_lines: list[dict]) -> ParsedInput | None:
         """An export file's lines that DuckDB's typed read would take otherwise than the Python
-        road (a key twice, a number written as text, ``true`` among the values): each is read
-        as the Python road reads a line, so it has the outcome it has on every road (its record
-        quarantined by the check it fails; a line that is no record, quarantined as such)."""
+        road (a key twice, a number written as text, ``true`` among the values, a line simdjson
+        cannot parse): each is read as the Python road reads a line, so it has the outcome it
+        has on every road (its record quarantined by the check it fails; a line that is no
+        record, quarantined as such, into ``bad_lines``). Returns the records, if any."""
         records = ParsedInput(InputFormat.EXPORT_JSONL)
         for line_no, line in lines:
             try:
                 parsed = parse_export_line(line, line_no)
+            except NotAnObject as exc:
+                bad_lines.append(
+                    {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
+                     "record_key": f"line {line_no}", "check_name": BAD_LINE_CHECK,
+                     "detail": f"line {line_no} of {landed.input.origin} {exc.problem}",
+                     "record_json": orjson.dumps(line[:stage.KEPT_BYTES].decode("utf-8", "replace")).decode()})
+                continue
             except Rejected as exc:
                 reason = str(exc).removeprefix(f"line {line_no}: ").removeprefix(f"line {line_no} ")
                 key, kept = _line_as_record(line_no, line)
-                batch.bad_lines.append(
+                bad_lines.append(
                     {"input_sha256": landed.sha256, "record_kind": validate.SUITES[table],
                      "record_key": key, "check_name": LINE_RECORD_CHECK,
                      "detail": f"line {line_no} of {landed.input.origin}: {reason}",
@@ -586,8 +607,7 @@ class _Run:
                 continue
             for name in stage.STAGED_TABLES:
                 getattr(records, name).extend(getattr(parsed, name))
-        if any(getattr(records, name) for name in stage.STAGED_TABLES):
-            batch.parsed.append((landed.sha256, records))
+        return records if any(getattr(records, name) for name in stage.STAGED_TABLES) else None
 
     def _stage(self, batch: _Batch) -> None:
         """Records parsed in Python join what DuckDB read in the staging tables; the batch's

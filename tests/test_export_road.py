@@ -491,14 +491,103 @@ def test_the_line_check_finds_lines_across_chunk_seams():
     _, lines = _activation_lines(objects)
     lines[2] = _damaged(lines[2], "true among the values")
     lines[5] = _damaged(lines[5], "a key twice")
-    lines[7] = lines[7][:30]  # cut: a bad line, not the check's
+    lines[7] = lines[7][:30]  # cut: not JSON to simdjson, so the Python road's (unless DuckDB's read finds it bad first)
     body = b"\n".join(lines[:4] + [b"", b"  "] + lines[4:])  # blank lines have no position
     for size in (1, 7, 4096, len(body)):
         check = stage.LineCheck("activations")
         for at in range(0, len(body), size):
             check.feed(body[at:at + size])
-        assert check.finish() == [3, 6], size
+        assert check.finish() == [3, 6, 8], size
     check = stage.LineCheck("activations")
     check.feed(b"{" + b" " * stage._MAX_OBJECT)  # longer than a line DuckDB reads: counted, not parsed
     check.feed(b"}\n" + lines[2] + b"\n")
     assert check.finish() == [2]
+
+
+#: Damages simdjson (LineCheck's parser) refuses, or that name a column twice, and their one
+#: outcome: (the damaged line's record loads, the check that quarantines it or None). An outside
+#: review found the gzip road crashing the run on the first three and loading the next three
+#: (DuckDB's reader takes NaN and trailing commas) where the plain road quarantined them, and the
+#: plain road cutting a line at a bare "\r" and refusing a whole file for one byte not UTF-8.
+_RAW_DAMAGES = {
+    "a number past 64 bits": (lambda ln: ln.replace(b'"binMin":', b'"binMin":99999999999999999999999,"x0":', 1), True, None),
+    "nesting past simdjson's depth": (lambda ln: ln[:-1] + b',"deep":' + b"[" * 2000 + b"]" * 2000 + b"}", False,
+                                      "export_line_is_json_object"),
+    "a known key in other case": (lambda ln: b'{"MaxValue":2,' + ln[1:], True, None),
+    "a trailing comma": (lambda ln: ln[:-1] + b",}", False, "export_line_is_json_object"),
+    "NaN": (lambda ln: ln.replace(b'"binMin":', b'"binMin":NaN,"x0":', 1), False, "export_line_is_json_object"),
+    "a bare carriage return": (lambda ln: ln.replace(b',"layer"', b',\r"layer"', 1), True, None),
+    "a byte that is not UTF-8": (lambda ln: ln.replace(b'"tokens":["', b'"tokens":["\xff', 1), False,
+                                 "export_line_is_json_object"),
+}
+
+
+@pytest.mark.parametrize("damage", list(_RAW_DAMAGES))
+def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage):
+    from pipeline.config import Settings
+
+    change, loads, check = _RAW_DAMAGES[damage]
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    damaged_id = orjson.loads(lines[4])["id"]
+    lines[4] = change(lines[4])
+    assert lines[4] != _activation_lines(objects)[1][4], "the damage applies to the generator's lines"
+    objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    seen = {}
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        summary = run_ingest([tmp_path / road / "in"], settings)  # never a crash of the run
+        assert summary.n_rejected == 0, (road, summary.rejected)
+        loaded = {i: extra for i, extra in query(settings.warehouse, "SELECT activation_id, extra FROM activations")}
+        assert (damaged_id in loaded) is loads and len(loaded) == 11 + loads, road
+        checks = query(settings.warehouse, "SELECT record_key, check_name FROM quarantine ORDER BY ALL")
+        assert checks == ([] if check is None else [("line 5", check)]), road
+        seen[road] = (loaded, checks)
+    assert seen["gzip"] == seen["plain"]
+
+
+def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(tmp_path, monkeypatch):
+    """Lines the Python road finds no records (a bad index) count toward the limit on the gzip
+    road as on the plain road, and so do lines that are no JSON (the plain road skipped its count)."""
+    from pipeline.config import Settings
+    from pipeline.stages import parse, stage
+
+    monkeypatch.setattr(stage, "MAX_BAD_LINES", 3)
+    monkeypatch.setattr(parse, "MAX_BAD_LINES", 3)
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    for i in (1, 3, 5):
+        row = orjson.loads(lines[i])
+        row["index"] = "2_004"
+        lines[i] = orjson.dumps(row)
+    lines[7] = b"not json at all"
+    objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        summary = run_ingest([tmp_path / road / "in"], settings)
+        assert summary.n_rejected == 1 and summary.n_activations == 0, road
+        [reason] = [r["reason"] for r in summary.rejected]
+        assert reason.startswith("more than 3 of its lines are no records (the first: line 2"), (road, reason)
+
+
+@pytest.mark.parametrize("value", [b'"true"', b"1"])
+def test_a_boolean_field_holding_text_or_a_number_has_one_outcome_on_every_road(tmp_path, value):
+    """DuckDB's typed read took "true" and 1 as hasVector true; the Python road keeps only JSON
+    true/false. The line now takes the Python road: has_vector is NULL on both."""
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 4), n_activations=1), producer="a")
+    key = next(k for k in objects if "/features/" in k)
+    lines = gzip.decompress(objects[key]).splitlines()
+    assert b'"hasVector":false' in lines[2]
+    lines[2] = lines[2].replace(b'"hasVector":false', b'"hasVector":' + value)
+    objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    seen = {}
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        run_ingest([tmp_path / road / "in"], settings)
+        seen[road] = query(settings.warehouse, "SELECT feature_index, has_vector FROM features ORDER BY 1")
+    assert seen["gzip"] == seen["plain"] == [(0, False), (1, False), (2, None), (3, False)]

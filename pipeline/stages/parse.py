@@ -59,6 +59,15 @@ class Rejected(ValueError):
     "The input is not a usable feature page; the message says why, for a person to act on."
 
 
+class NotAnObject(Rejected):
+    """A line of an export file that is not a JSON object (to orjson, the Python road's parser):
+    ``problem`` says what it is, as the plain-lines road says it ("is not valid JSON (...)")."""
+
+    def __init__(self, n: int, problem: str) -> None:
+        super().__init__(f"line {n} {problem}")
+        self.problem = problem
+
+
 _GZIP_MAGIC = b"\x1f\x8b"
 _WS = b" \t\r\n\xef\xbb\xbf"
 
@@ -271,6 +280,16 @@ def parse_bytes(data: bytes, settings: Settings | None = None) -> ParsedInput:
     return parsed
 
 
+def _first_line_is_object(body: bytes) -> bool:
+    end = body.find(b"\n")
+    if end < 0:
+        return False
+    try:
+        return isinstance(orjson.loads(body[:end]), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
 def _parse_json(body: bytes) -> ParsedInput:
     try:
         obj = orjson.loads(body)
@@ -278,6 +297,8 @@ def _parse_json(body: bytes) -> ParsedInput:
         msg = str(exc).lower()  # orjson ≥ 3.10 says "unexpected content after document"
         if body[:1] == b"{" and b"\n" in body.rstrip(_WS) and ("trailing" in msg or "after document" in msg):
             return _parse_jsonl(body)
+        if body[:1] == b"{" and "utf-8" in msg and _first_line_is_object(body):
+            return _parse_jsonl(body)  # JSON lines with a byte that is not UTF-8: that line is bad
         _utf8(body, "JSON input")
         raise _json_error(exc, "JSON input") from exc
     if isinstance(obj, dict) and (
@@ -665,7 +686,10 @@ def _parse_jsonl(body: bytes) -> ParsedInput:
     parsed = ParsedInput(InputFormat.EXPORT_JSONL)
     first_kind: tuple[int, str] | None = None
     first_error: Rejected | None = None
-    for n, line in enumerate(body.splitlines(), start=1):
+    # JSON lines end at "\n" (a "\r" before it, or inside a line, is whitespace to JSON, as
+    # to DuckDB's reader); splitlines() would also cut a line at a bare "\r" or "\x1c".
+    for n, line in enumerate(body.split(b"\n"), start=1):
+        _refuse_past_the_limit(parsed)
         if not line.strip():
             continue
         try:
@@ -681,9 +705,7 @@ def _parse_jsonl(body: bytes) -> ParsedInput:
             if first_kind is not None and first_kind[1] == "a whole feature page":
                 raise Rejected(f"line {n} of the JSON lines is not an object")
             first_error = first_error or Rejected(f"line {n} of the JSON lines is not an object")
-            kind = "an array" if isinstance(row, list) else "a string" if isinstance(row, str) else \
-                "null" if row is None else "a boolean" if isinstance(row, bool) else "a number"
-            parsed.bad_lines.append((n, _kept(line), f"is {kind}, not a JSON object", False))
+            parsed.bad_lines.append((n, _kept(line), f"is {_json_kind(row)}, not a JSON object", False))
             continue
         kind = "a whole feature page" if _PAGE_KEYS & row.keys() else "an export row"
         if first_kind is None:
@@ -705,10 +727,7 @@ def _parse_jsonl(body: bytes) -> ParsedInput:
             _add_export_row(parsed, row, n)
         except Rejected as exc:
             parsed.bad_lines.append((n, _kept(line), str(exc).removeprefix(f"line {n}: ").removeprefix(f"line {n} "), True))
-        if len(parsed.bad_lines) > MAX_BAD_LINES:
-            n0, _, problem, _ = parsed.bad_lines[0]
-            raise Rejected(f"more than {MAX_BAD_LINES:,} of its lines are no records (the first: line {n0} "
-                           f"{problem}); refused whole: it is not a readable export batch")
+    _refuse_past_the_limit(parsed)
     if first_kind is None and first_error is not None:
         raise first_error  # no line is a record: not an export file with bad lines
     if parsed.bad_lines and not any(getattr(parsed, t) for t in
@@ -724,6 +743,20 @@ def _parse_jsonl(body: bytes) -> ParsedInput:
 #: ``stage.MAX_BAD_LINES`` on the export road).
 MAX_BAD_LINES = 1000
 _KEPT_BYTES = 1 << 16
+
+
+def _refuse_past_the_limit(parsed: ParsedInput) -> None:
+    """Every line that is no record counts (not JSON, not an object, a bad index), as on the
+    export road (``stage.MAX_BAD_LINES``)."""
+    if len(parsed.bad_lines) > MAX_BAD_LINES:
+        n0, _, problem, _ = parsed.bad_lines[0]
+        raise Rejected(f"more than {MAX_BAD_LINES:,} of its lines are no records (the first: line {n0} "
+                       f"{problem}); refused whole: it is not a readable export batch")
+
+
+def _json_kind(v: Any) -> str:
+    return ("an array" if isinstance(v, list) else "a string" if isinstance(v, str) else
+            "null" if v is None else "a boolean" if isinstance(v, bool) else "a number")
 
 
 def _kept(line: bytes) -> str:
@@ -786,15 +819,13 @@ def parse_export_line(line: bytes, n: int) -> ParsedInput:
     read would take otherwise: ``stage.LineCheck``). Raises :class:`Rejected` for a line that is
     no record: not a JSON object, a key written twice, an index that is not an integer."""
     where = f"line {n}"
-    view = json_view(line)
-    if not isinstance(view, _OBJECTS):
-        raise Rejected(f"{where} is not a JSON object")
-    _check_keys_once(view, where)
-    del view
-    try:
+    try:  # what the plain-lines road says of a line that is no JSON object
         row = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
-        raise _json_error(exc, where) from exc
+        raise NotAnObject(n, _bad_json(line, exc)) from exc
+    if not isinstance(row, dict):
+        raise NotAnObject(n, f"is {_json_kind(row)}, not a JSON object")
+    _check_keys_once(json_view(line), where)
     parsed = ParsedInput(InputFormat.EXPORT_JSONL)
     _add_export_row(parsed, row, n)
     return parsed

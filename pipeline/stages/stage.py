@@ -123,11 +123,12 @@ def _numbers_only(v: Any) -> bool:
     return type(v) is list and all(type(x) is int or type(x) is float for x in v)
 
 
-def _typed(fields: dict[str, str]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """A record's fields DuckDB reads as DOUBLE, as INTEGER/BIGINT and as DOUBLE[]."""
+def _typed(fields: dict[str, str]) -> tuple[tuple[str, ...], ...]:
+    """A record's fields DuckDB reads as DOUBLE, as INTEGER/BIGINT, as DOUBLE[] and as BOOLEAN."""
     return (tuple(k for k, t in fields.items() if t == "DOUBLE"),
             tuple(k for k, t in fields.items() if t in ("INTEGER", "BIGINT")),
-            tuple(k for k, t in fields.items() if t == "DOUBLE[]"))
+            tuple(k for k, t in fields.items() if t == "DOUBLE[]"),
+            tuple(k for k, t in fields.items() if t == "BOOLEAN"))
 
 
 _ACTIVATION_TYPED = _typed(_ACTIVATION_FIELDS)
@@ -136,13 +137,17 @@ _PAGE_TYPED = _typed({k: t for k, t in _PAGE_COLUMNS.items() if k not in ("activ
 _INDEX_TEXT = re.compile(r"-?[0-9]+")  # parse._DIGITS: an integer written as text
 
 
-def _exact_fields(obj: Any, typed: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]) -> bool:
+def _exact_fields(obj: Any, typed: tuple[tuple[str, ...], ...]) -> bool:
     """Whether DuckDB's typed read of an object's fields gives what the Python road makes of
     them. read_json casts where Python does not: ``"2.5"`` and ``true`` to 2.5 and 1.0 in a
     DOUBLE or a DOUBLE[], ``3.7`` to 4 in an INTEGER, and its cast of an ``index`` written as
     text takes ``"2_004"``, ``" 12"`` and ``"1904.0"``; each of these is a value that is not a
     number (``parse._num``, ``parse._int``) to the Python road, which quarantines its record."""
-    doubles, integers, lists = typed
+    doubles, integers, lists, booleans = typed
+    for k in booleans:  # read_json casts "true" and 1 to true; Python keeps only true/false
+        v = obj.get(k)
+        if v is not None and type(v) is not bool:
+            return False
     for k in doubles:
         v = obj.get(k)
         if v is not None and type(v) is not float and type(v) is not int:
@@ -299,6 +304,7 @@ class LineCheck:
 
     def __init__(self, table: str) -> None:
         self.typed = _EXPORT_TYPED[table]
+        self._known = {k.lower(): k for k in _EXPORT_COLUMNS[table]}
         self._parser = simdjson.Parser()
         self.reset()
 
@@ -334,15 +340,30 @@ class LineCheck:
         self._pos += 1
         try:
             doc = self._parser.parse(line)
-        except ValueError:
-            return  # not JSON to simdjson: judged by the reading that follows
+        except (ValueError, RuntimeError):
+            # Not JSON to simdjson (NaN, a trailing comma, a number past 64 bits, nesting past
+            # its depth, bytes that are not UTF-8): DuckDB's reader may take what orjson does
+            # not, so the Python road judges it, as it judges the line in a plain .jsonl file
+            # (a line DuckDB cannot read either is set aside as a bad line first).
+            self.inexact.append(self._pos)
+            return
         try:
             if type(doc) is simdjson.Object:
                 keys = list(doc.keys())
-                if len(keys) != len(set(keys)) or not _exact_fields(doc, self.typed):
+                if (len(keys) != len(set(keys)) or not _exact_fields(doc, self.typed)
+                        or not self._spelled_as_known(keys)):
                     self.inexact.append(self._pos)
         finally:
             del doc  # the parser is reused only once nothing refers to its last document
+
+    def _spelled_as_known(self, keys: list[str]) -> bool:
+        """No key is a known field spelled in other case ("MaxValue"), nor two keys one name in
+        two cases: DuckDB's columns are one name in any case (the read cannot hold both)."""
+        lowered = {k.lower() for k in keys}
+        if len(lowered) != len(keys):
+            return False
+        known = self._known
+        return all(known.get(k.lower(), k) == k for k in keys)
 
 
 def export_table(first: bytes) -> str | None:
@@ -488,7 +509,16 @@ def _unknown_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path
              "known": sorted(set(known) | PAGE_RELATIONS)}).fetchone()[0]
     except (duckdb.InvalidInputException, duckdb.IOException):
         return []  # the read that follows says what is wrong with the file
-    return list(found or [])
+    # DuckDB's column names are one name in any case: a field spelled as a known one in other
+    # case ("MaxValue"; its lines take the Python road, LineCheck) or as another field in
+    # other case is not a column of its own (CREATE TABLE would refuse the pair).
+    taken = {k.lower() for k in set(known) | PAGE_RELATIONS}
+    unknown = []
+    for k in found or ():
+        if k.lower() not in taken:
+            taken.add(k.lower())
+            unknown.append(k)
+    return unknown
 
 
 _GZIP_HINT = ("; DuckDB refuses bytes after the last gzip member, such as zero padding: "
@@ -558,7 +588,7 @@ def _read_line_by_line(conn: duckdb.DuckDBPyConnection, table: str, sha: str, pa
         if bad:
             out.bad_lines[sha] = bad
         if python:
-            out.python_lines[sha] = python
+            out.python_lines[sha] = [(n, line) for _, n, line in python]
         return None
     finally:
         again.unlink(missing_ok=True)
