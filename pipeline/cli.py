@@ -885,9 +885,13 @@ def similar_cmd(feature, warehouse, model, source, limit, fmt, refresh) -> None:
             found = finder.similar(feature, model=model, source=source, limit=limit)
         except NoSuchFeature as exc:
             raise click.ClickException(str(exc)) from None
-        (n,) = finder.conn.execute("SELECT count(*) FROM features").fetchone()
-        _print_found(found, fmt, empty=f"(no other feature to compare it with: the find index holds {n} feature(s); "
-                                       "none other has an embedding or shares a top token or logit with it)")
+        (n,) = finder.conn.execute(
+            "SELECT count(*) FROM features WHERE ($m IS NULL OR model_id = $m) AND ($s IS NULL OR source_id = $s)",
+            {"m": model, "s": source}).fetchone()
+        within = " ".join(f"{k} {v}" for k, v in (("model", model), ("source", source)) if v)
+        _print_found(found, fmt, empty=f"(no other feature to compare it with: the find index holds {n} feature(s)"
+                                       f"{' of ' + within if within else ''}; none other of them has an embedding "
+                                       "or shares a top token or logit with it)")
 
 
 @cli.command("by-token")
@@ -1083,10 +1087,10 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
                       "n_failed": r.n_failed, "seconds": round(r.seconds, 3), "failures": r.failures},
             "verdict": judged.level, "verdict_reason": judged.reason})
         _refresh_find(settings)
+        if strict and judged.level == "FAIL":  # docs/fetching.md: 4 with --strict, before 3
+            sys.exit(EXIT_VERDICT_FAIL)
         if r.n_failed:
             sys.exit(3)
-        if strict and judged.level == "FAIL":
-            sys.exit(EXIT_VERDICT_FAIL)
         return
     print_summary(summary)
     _refresh_find(settings)
@@ -1106,9 +1110,10 @@ def _fetch_then_ingest(settings: Settings, window: str, fetch, no_progress: bool
     click.echo(f"  verdict  {judged.level}: {judged.reason}")
     if r.n_failed:
         click.echo(f"  re-run with --window {r.window} to retry only what did not land")
-        sys.exit(3)
     if strict and judged.level == "FAIL":
         sys.exit(EXIT_VERDICT_FAIL)
+    if r.n_failed:
+        sys.exit(3)
 
 
 @cli.group("fetch")

@@ -7,7 +7,10 @@ slug rule).
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,29 @@ def test_config_says_where_each_setting_came_from(tmp_path):
     assert (rows["batch_bytes"]["value"], rows["batch_bytes"]["from"]) == ("1000000", "$FEATUREHOUSE_BATCH_BYTES")
     assert rows["warehouse"]["from"] == "command line" and rows["retention_days"]["from"] == "default"
     assert rows["catalog_url"]["value"] == f"sqlite:{tmp_path / 'w' / 'catalog.sqlite'}"
+
+
+def test_the_querying_page_python_snippet_runs_offline_as_printed(tmp_path):
+    """Issue 45: docs/querying.md's Python snippet failed offline (ATTACH downloaded the ducklake
+    extension, which featurehouse had installed from its wheel). Run as printed, from a folder
+    holding a `warehouse`, with no network (a new network namespace where one can be made: root,
+    as in CI) and the extension folder the one featurehouse installs into."""
+    import shutil
+
+    from pipeline import Settings
+    from pipeline.lake.extensions import extension_directory
+    from tests.conftest import FIXTURES, run_ingest
+
+    text = (ROOT / "docs" / "querying.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert "~/.cache/featurehouse/duckdb-extensions" in code
+    run_ingest([FIXTURES], Settings(warehouse=tmp_path / "warehouse"))
+    folder = extension_directory()
+    assert folder is not None and folder.is_dir()
+    code = code.replace("~/.cache/featurehouse/duckdb-extensions", str(folder)) + "\nprint(len(df))\n"
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0 and shutil.which("unshare"):
+        cmd = ["unshare", "-n", *cmd]
+    r = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout.split()[-1]) > 0

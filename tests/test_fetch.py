@@ -266,3 +266,19 @@ def test_fetch_reads_the_base_url_from_the_environment_and_gives_a_verdict_and_j
     assert as_json.returncode == 3, as_json.stderr
     out = json.loads(as_json.stdout)
     assert out["verdict"] == "WARN" and out["fetch"]["n_failed"] == 1 and out["fetch"]["failures"][0]["url"].endswith("/3")
+
+
+@pytest.mark.parametrize("fmt", ["table", "json"])
+def test_fetch_strict_exits_4_when_the_verdict_is_fail_even_with_urls_lost(tmp_path, fmt):
+    """docs/fetching.md: with --strict, 4 when the verdict is FAIL; 3 (URLs lost) came first."""
+    settings = settings_in(tmp_path)
+    with FakeNeuronpedia(pages=pages(4), always={feature_path(1): "503", feature_path(3): "503"}) as np:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), NEURONPEDIA_BASE_URL=np.base_url)
+        args = [sys.executable, "-m", "pipeline.cli", "fetch", "features", "--model", MODEL, "--source", SOURCE,
+                "--index", "1", "--index", "3", "--warehouse", str(settings.warehouse), "--no-progress",
+                "--max-attempts", "1", "--requests-per-hour", "10000000", "--format", fmt]
+        strict = subprocess.run(args + ["--strict"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        lax = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert strict.returncode == 4, strict.stdout + strict.stderr
+    assert "FAIL" in strict.stdout
+    assert lax.returncode == 3, lax.stdout + lax.stderr

@@ -68,8 +68,8 @@ def test_an_exports_chunk_whose_listing_fails_fails(tmp_path):
 
 @pytest.mark.parametrize(
     "n_failing, fraction, fails",
-    [(0, 0.5, False), (1, 0.5, False), (2, 0.5, False), (3, 0.5, True), (4, 0.5, True),
-     (3, 1.0, False), (4, 1.0, True), (1, 0.0, True)],
+    [(0, 0.5, False), (1, 0.5, False), (2, 0.5, True), (3, 0.5, True), (4, 0.5, True),
+     (3, 1.0, False), (4, 1.0, True), (1, 0.0, True), (1, 0.3, False)],
 )
 def test_the_share_of_failed_urls_decides(tmp_path, n_failing, fraction, fails):
     with FakeNeuronpedia(pages=pages(4), always={feature_path(i): "503" for i in range(n_failing)}) as np:

@@ -624,3 +624,13 @@ def test_show_html_escapes_control_characters_and_isolates_bidi(other_lake):
     assert not any(c in page for c in "\x1b\x07\u202e\u2066")
     assert "\\x1b[31mred" in page and "\\x1b[2J" in page and "abc\\u202eevil\\u2066x" in page
     assert "<bdi>penguins" in page and "unicode-bidi: isolate" in page
+
+
+def test_similar_with_nothing_near_counts_the_features_it_was_narrowed_to(lake):
+    """Issue 45: with --source the message counted the whole index ("holds 2001 feature(s); none
+    other has an embedding..."), which was false of the source asked for."""
+    settings, _ = lake
+    r = _fh("similar", "gpt-oss-20b/11-resid-post-aa/8", "--source", "no-such-source",
+            "--warehouse", str(settings.warehouse))
+    assert r.returncode == 0, r.stderr
+    assert "holds 0 feature(s) of source no-such-source; none other of them" in r.stdout, r.stdout

@@ -67,7 +67,7 @@ VERDICT_RULES: tuple[tuple[str, str], ...] = (
     ("FAIL", "the run did not finish successfully (status is not 'succeeded')"),
     ("FAIL", "the run received new inputs but loaded none of them"),
     ("FAIL", "more than half of the new inputs were rejected"),
-    ("FAIL", "its fetch failed wholly or mostly: every URL it fetched, or more than half of them, "
+    ("FAIL", "its fetch failed wholly or mostly: every URL it fetched, or half of them or more, "
              "failed after its retries (fetch_failures)"),
     ("WARN", "an input was rejected, a record was quarantined, an expectation failed, "
              "or a URL could not be fetched"),
@@ -103,7 +103,7 @@ def verdict(run: dict[str, Any]) -> Verdict:
     # Each URL that landed is one input received; each that failed is a row of fetch_failures
     # (a 404, "not found", is neither: Neuronpedia answered).
     fetched = n["n_fetch_failed"] + n["n_received"]
-    if n["n_fetch_failed"] and n["n_fetch_failed"] / fetched > 0.5:
+    if n["n_fetch_failed"] and n["n_fetch_failed"] / fetched >= 0.5:  # half a night lost is no pass
         share = ("all" if n["n_fetch_failed"] == fetched else f"{100 * n['n_fetch_failed'] / fetched:.0f}%")
         return Verdict("FAIL", 3, f"{n['n_fetch_failed']:,} of {fetched:,} URL(s) failed to fetch ({share}), "
                                   "see Fetch failures")

@@ -89,7 +89,7 @@ class SourceNotFound(ConfigError):
 
 
 class FetchChunkFailed(RuntimeError):
-    "All, or more than [fetch] max_failed_fraction, of a fetch chunk's URLs failed: the task fails (and is retried)."
+    "All, or [fetch] max_failed_fraction or more, of a fetch chunk's URLs failed: the task fails (and is retried)."
 
 
 #: Schedules Airflow takes by name (``airflow.utils.dates.cron_presets``, ``@once``, ``@continuous``).
@@ -597,13 +597,14 @@ def chunks(plan: Plan, window: str, max_map_length: int = DEFAULT_MAX_MAP_LENGTH
 
 
 def too_many_failed(n_failed: int, n_requested: int, max_fraction: float) -> bool:
-    """True when every URL asked for failed, or more than ``max_fraction`` of them did.
+    """True when every URL asked for failed, or ``max_fraction`` of them or more did (half a
+    night's URLs lost is not a pass, at the default 0.5).
 
     A listing that could not be read counts as a failed request of its own (nothing else was
     asked for); a feature Neuronpedia does not have (404) is not a failure.
     """
     asked = max(n_requested, n_failed)
-    return n_failed > 0 and (n_failed >= asked or n_failed / asked > max_fraction)
+    return n_failed > 0 and (n_failed >= asked or n_failed / asked >= max_fraction)
 
 
 def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None) -> dict[str, Any]:
