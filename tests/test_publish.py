@@ -9,6 +9,7 @@ keeps reading."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
 import json
@@ -447,3 +448,213 @@ def test_paths_and_unrelated_folders_stay_safe(built, tmp_path):
     p = subprocess.run([*FH, "publish", "s3://bucket/x", "--warehouse", str(settings.warehouse)],
                        capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 1 and "S3 directly is not built" in p.stderr and not (tmp_path / "s3:").exists()
+
+
+# --- killed at real points, then published again ----------------------------------------------------
+
+def _parquet(dest: Path, hf: bool) -> set[tuple[int, int]]:
+    """The Parquet files under DEST, of the hf layout (``hf/`` and any folder staging it) or of the
+    DuckLake (the rest): (inode, mtime), so a hard link to a file already there is not a new one."""
+    out = set()
+    for root, _, files in os.walk(dest):
+        top = (Path(root).relative_to(dest).parts or ("",))[0]
+        if (top == "hf" or top.endswith("-hf")) == hf:
+            for f in files:
+                if f.endswith(".parquet"):
+                    try:
+                        st = os.stat(os.path.join(root, f))
+                    except OSError:  # removed as it was seen
+                        continue
+                    out.add((st.st_ino, st.st_mtime_ns))
+    return out
+
+
+def _inode(p: Path) -> int | None:
+    try:
+        return p.stat().st_ino
+    except OSError:
+        return None
+
+
+#: Where a publication is killed, as seen from outside: (name, test) where test(dest, before) is true
+#: once the point is passed; ``before`` is what DEST held when the publication started.
+POINTS = {
+    "lock taken": lambda d, b: (d / pub.LOCK_FILE).exists(),
+    "catalog copy begun": lambda d, b: any(d.glob(".featurehouse-*.ducklake")),
+    "1 data file": lambda d, b: len(_parquet(d, False) - b["ducklake"]) >= 1,
+    "5 data files": lambda d, b: len(_parquet(d, False) - b["ducklake"]) >= 5,
+    "catalog replaced": lambda d, b: _inode(d / pub.CATALOG_FILE) not in (None, b["catalog"]),
+    "1 hf file": lambda d, b: len(_parquet(d, True) - b["hf"]) >= 1,
+    "5 hf files": lambda d, b: len(_parquet(d, True) - b["hf"]) >= 5,
+}
+
+
+def _kill_at(settings: Settings, dest: Path, point: str, *args: str) -> bool:
+    """Run ``featurehouse publish DEST`` and SIGKILL it as soon as ``point`` is passed (looked at
+    every millisecond or so); False when it ended before."""
+    before = {"ducklake": _parquet(dest, False), "hf": _parquet(dest, True), "catalog": _inode(dest / pub.CATALOG_FILE)}
+    if point == "lock taken":
+        with contextlib.suppress(FileNotFoundError):
+            (dest / pub.LOCK_FILE).unlink()  # (left by the last one: the test is its coming back)
+    proc = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if dest.is_dir() and POINTS[point](dest, before):
+                proc.kill()
+                proc.communicate()
+                return True
+            time.sleep(0.001)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, f"not killed at {point!r}: the publication failed: {err[-2000:]}"
+        return False
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _counts(settings: Settings, snapshot: int, tables=pub.DEFAULT_TABLES) -> dict[str, int]:
+    with wh.connect(settings, read_only=True) as conn:
+        return {t: conn.execute(f"SELECT count(*) FROM {t} AT (VERSION => {snapshot})").fetchone()[0] for t in tables}
+
+
+def _attach(dest: Path) -> str:
+    """As docs/publishing.md says a reader opens a folder in place."""
+    return f"ATTACH 'ducklake:{dest / pub.CATALOG_FILE}' AS fh (READ_ONLY, DATA_PATH '{dest}/data/', OVERRIDE_DATA_PATH true)"
+
+
+def _what_readers_see(settings: Settings, dest: Path) -> tuple[int | None, int | None]:
+    """The snapshot the DuckLake and the hf layout hold (None: nothing there), each checked whole:
+    every table has the warehouse's rows at that snapshot, and hf/ is what its card says."""
+    import re as _re
+
+    import pyarrow.parquet as pq
+
+    lake = None
+    if (dest / pub.CATALOG_FILE).exists():
+        q = {t: f"SELECT count(*) FROM fh.{t}" for t in pub.DEFAULT_TABLES}
+        got = read_plain(_attach(dest), {**q, "snap": "SELECT max(snapshot_id) FROM fh.publication"})
+        lake = int(got.pop("snap")[0][0])
+        assert {t: int(v[0][0]) for t, v in got.items()} == _counts(settings, lake), "the DuckLake is not one snapshot"
+    else:  # nothing a reader opens: no data file where the catalog's would be
+        assert not list((dest / "data").rglob("*.parquet"))
+    hf = None
+    if (dest / "hf").exists():
+        card = (dest / "hf" / "README.md").read_text()  # a reader's way in: its configs
+        hf = int(_re.search(r"warehouse snapshot (\d+)", card).group(1))
+        mark = json.loads((dest / "hf" / pub.HF_MARK).read_text())["tables"]
+        assert set(mark) == set(pub.DEFAULT_TABLES) and len(set(mark.values())) == 1, mark
+        got = {t: pq.ParquetDataset(sorted((dest / "hf" / t).glob("*.parquet"))).read().num_rows
+               for t in pub.DEFAULT_TABLES}
+        assert got == _counts(settings, hf), "hf/ holds tables of two snapshots"
+        for t, n in got.items():
+            assert f"| `{t}` | {n:,} |" in card, t
+    return lake, hf
+
+
+def _no_leftovers(dest: Path) -> None:
+    assert not [p for p in dest.rglob(".featurehouse-*")], sorted(dest.rglob(".featurehouse-*"))
+    named = read_plain(f"ATTACH '{dest / pub.CATALOG_FILE}' AS raw (READ_ONLY)", {"f": """
+        SELECT s.path || t.path || f.path FROM (SELECT table_id, path FROM raw.ducklake_data_file
+            UNION ALL SELECT table_id, path FROM raw.ducklake_delete_file) f
+        JOIN (SELECT DISTINCT table_id, schema_id, path FROM raw.ducklake_table) t USING (table_id)
+        JOIN (SELECT DISTINCT schema_id, path FROM raw.ducklake_schema) s USING (schema_id)"""})["f"]
+    on_disk = sorted(p.relative_to(dest / "data").as_posix() for p in (dest / "data").rglob("*.parquet"))
+    assert on_disk == sorted(eval(f[0]) for f in named), "data files no catalog names are left"
+
+
+def test_a_first_publication_killed_anywhere_leaves_nothing_and_the_next_finishes(built, tmp_path):
+    """Found from outside: a first publication killed part-way (SIGKILL) left its lock, a part of
+    data/ and its catalog copy, and every publication into that folder after it was refused ('holds
+    other files'). Killed at each point in turn (each coming back to what the one before left),
+    the folder holds nothing a reader opens; the next publication removes what they left, even a
+    copy named for a process id that is alive again, and publishes."""
+    root, settings, _ = built
+    dest = tmp_path / "first"
+    snap = _latest(settings)
+    for point in ("lock taken", "catalog copy begun", "1 data file", "5 data files", "catalog replaced", "1 hf file"):
+        killed = _kill_at(settings, dest, point)
+        assert killed or point in ("catalog replaced", "1 hf file"), f"it finished before {point!r}"
+        lake, hf = _what_readers_see(settings, dest)
+        if point in ("catalog replaced", "1 hf file"):
+            assert lake == snap and hf in (None, snap)
+        else:
+            assert (lake, hf) == (None, None), point
+    # a dead publisher's process id may be a live process's by now: what it left goes all the same
+    write(dest / f".featurehouse-{os.getpid()}-1.ducklake", b"left by a publication killed long ago")
+    p = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    assert _what_readers_see(settings, dest) == (snap, snap)
+    _no_leftovers(dest)
+    line = next(x.strip() for x in p.stdout.splitlines() if x.strip().startswith("ATTACH"))
+    got = read_plain(line.rstrip(";"), {t: f"SELECT count(*) FROM fh.{t}" for t in pub.DEFAULT_TABLES})
+    assert {t: int(v[0][0]) for t, v in got.items()} == _counts(settings, snap)
+
+
+def test_a_later_publication_killed_anywhere_leaves_the_one_before_whole(built, tmp_path):
+    """Killed at each point of a publication that applies the change feed and rewrites hf/'s
+    changed tables: each layout is the publication before, whole, or (killed once its catalog was
+    in) the new one, whole; hf/ is never some tables of each (it was: each table replaced in turn,
+    the card last). The next publication finishes and leaves nothing behind."""
+    root, settings, _ = built
+    dest = tmp_path / "later"
+    first = pub.publish(settings, dest)
+    page = good_page(300_001)
+    changed = good_page(2, source="5-res-jb")
+    changed["explanations"][0]["description"] = "rewritten for the kill test"
+    run_ingest([write(tmp_path / "n" / "a.json", orjson.dumps(page)),
+                write(tmp_path / "n" / "b.json", orjson.dumps(changed))], settings)
+    snap = _latest(settings)
+    assert _counts(settings, snap) != _counts(settings, first.snapshot_id)
+    for point in ("catalog copy begun", "1 data file", "catalog replaced", "1 hf file", "5 hf files"):
+        assert _kill_at(settings, dest, point), f"it finished before {point!r}"
+        lake, hf = _what_readers_see(settings, dest)
+        assert lake in (first.snapshot_id, snap) and hf == first.snapshot_id, (point, lake, hf)
+    p = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)], capture_output=True,
+                       text=True)
+    assert p.returncode == 0, p.stderr
+    assert _what_readers_see(settings, dest) == (snap, snap)
+    _no_leftovers(dest)
+    hist = read_plain(_attach(dest), {"p": "SELECT snapshot_id FROM fh.publication ORDER BY published_at"})
+    assert hist["p"][0] == [repr(first.snapshot_id)] and hist["p"][-1] == [repr(snap)]
+
+
+def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
+    """A second publication into a folder while a live process publishes there (stopped with
+    SIGSTOP, its lock held) is refused, naming that process; a dry run meanwhile writes nothing
+    there; neither removes what the first has written so far, and it finishes whole."""
+    root, settings, _ = built
+    dest = tmp_path / "busy"
+    pub.publish(settings, dest, formats=("ducklake",))
+    run_ingest([write(tmp_path / "n" / "c.json", orjson.dumps(good_page(300_002)))], settings)
+    snap = _latest(settings)
+    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
+            assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
+            time.sleep(0.001)
+        os.kill(a.pid, signal.SIGSTOP)
+        its = sorted(p.name for p in dest.rglob("*"))
+        b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)], capture_output=True,
+                           text=True)
+        assert b.returncode == 1 and "under way" in b.stderr and f"process {a.pid} on " in b.stderr, b.stderr
+        assert "Traceback" not in b.stderr
+        d = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--dry-run"],
+                           capture_output=True, text=True)
+        assert d.returncode == 0, d.stderr
+        assert sorted(p.name for p in dest.rglob("*")) == its
+        os.kill(a.pid, signal.SIGCONT)
+        _, err = a.communicate(timeout=120)
+        assert a.returncode == 0, err
+    finally:
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+            a.wait()
+    assert _what_readers_see(settings, dest)[0] == snap
+    _no_leftovers(dest)

@@ -25,6 +25,16 @@ snapshot published before was expired by ``maintain``, another warehouse, anothe
 older than the published one, its columns changed) or when the result would not hold exactly the
 warehouse's row count. The ``hf`` layout rewrites the files of the tables that changed.
 
+**Killed at any point.** Each layout is committed by one rename, after everything it names is
+written: the catalog (``os.replace``), ``hf/`` (swapped whole with a staged copy, whose unchanged
+tables are hard links: Linux's ``renameat2(RENAME_EXCHANGE)``). A first publication stages its
+data files in a scratch folder, moved to ``data/`` just before its catalog. So a publication
+killed anywhere (SIGKILL included) leaves each layout as it was, or nothing a reader opens for a
+first one; what it left is named ``.featurehouse-*`` or is a data file no catalog names. One
+publication into a folder at a time (``flock`` on ``.publish.lock``, which the kernel frees when
+its holder dies, whose text names the holder): the next one, holding it, removes all of that,
+so no leftover outlives it, and refuses while a live process holds it, naming that process.
+
 **Private.** What leaves is the data tables and their statistics (``DEFAULT_TABLES``); other
 tables only when named (``tables``), and even then without the columns that say where the
 inputs came from or who ran what (``PRIVATE_COLUMNS``: paths, hosts, errors) unless
@@ -39,11 +49,14 @@ is what makes a nightly publication send ~a page's worth of bytes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import re
 import shutil
+import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -78,6 +91,10 @@ CATALOG_FILE = "featurehouse.ducklake"
 LOCK_FILE = ".publish.lock"
 #: In ``hf/``: which warehouse snapshot each table's files hold (written after them).
 HF_MARK = ".published.json"
+#: What a publication's scratch is named (``.featurehouse-<pid>-...``): only ever removed under the lock.
+SCRATCH = ".featurehouse-"
+#: What a publication makes in DEST, besides its scratch.
+MADE = (CATALOG_FILE, LOCK_FILE, "data", "hf")
 PUB = "fh_publish"
 _KEY = ("model_id", "source_id", "feature_index")
 #: Rows per Parquet row group of the published files (DuckDB's writer flushes at multiples of its
@@ -171,36 +188,126 @@ def _check_dest(settings: Settings, dest: Path) -> Path:
     if dest.exists() and not dest.is_dir():
         raise PublishRefused(f"{dest} is a file, not a folder")
     if dest.is_dir():
-        made = (dest / CATALOG_FILE).is_file() or (dest / "hf" / HF_MARK).is_file()
-        if any(dest.iterdir()) and not made:
-            other = sorted(p.name for p in dest.iterdir())
-            raise PublishRefused(f"{dest} holds other files ({', '.join(other[:3])}): publish into an "
+        names = [p.name for p in dest.iterdir()]
+        made = (dest / CATALOG_FILE).is_file() or (dest / "hf" / HF_MARK).is_file() or (
+            # a first publication killed before its catalog: its lock (made only in a folder that was
+            # empty or a publication's), its scratch and its data files, nothing else
+            LOCK_FILE in names and all(n in MADE or n.startswith(SCRATCH) for n in names))
+        if names and not made:
+            raise PublishRefused(f"{dest} holds other files ({', '.join(sorted(names)[:3])}): publish into an "
                                  "empty folder or one a publication made")
     return dest
 
 
+# --- one at a time, and what a killed one left ------------------------------------------------------
+
+def _holder(dest: Path) -> str:
+    """Who holds the folder's lock, as its holder wrote it into the lock file."""
+    for _ in range(10):  # a holder writes its name just after taking the lock: give it a moment
+        with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+            h = json.loads((dest / LOCK_FILE).read_text(encoding="utf-8"))
+            since = datetime.fromisoformat(h["since"])
+            age = int((datetime.now(timezone.utc) - since).total_seconds())
+            if h["host"] != socket.gethostname() or _alive(int(h["pid"])):
+                return (f"process {int(h['pid'])} on {h['host']}, publishing since {since:%Y-%m-%d %H:%M:%S} UTC, "
+                        f"{age // 60} min {age % 60} s ago")
+            # the name of a holder that is gone (killed): the lock's holder now has not written its own
+        time.sleep(0.1)
+    return f"by a process that wrote no name into {dest / LOCK_FILE}: an older featurehouse, or one starting"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _lock(dest: Path, stack: contextlib.ExitStack) -> None:
+    """Hold ``DEST/.publish.lock`` until ``stack`` closes, or refuse naming its holder.
+
+    One publication into a folder at a time: two would each build on the same catalog, and the one
+    replacing it last would drop the other's publication. ``flock``: the kernel frees it when its
+    holder dies however it dies, so a killed publication leaves no lock (the file stays, naming it)."""
+    lock = stack.enter_context(open(dest / LOCK_FILE, "a+b"))
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise PublishRefused(f"another publication into {dest} is under way ({_holder(dest)}): wait for it to "
+                             "finish, or stop that process (the next publication removes what it leaves)") from None
+    lock.truncate(0)
+    lock.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "since": datetime.now(timezone.utc).isoformat(timespec="seconds")}).encode())
+    lock.flush()
+
+    def release() -> None:  # still held: no one reads a half-emptied name
+        with contextlib.suppress(OSError):
+            lock.truncate(0)
+
+    stack.callback(release)
+
+
+def _known_files(conn: duckdb.DuckDBPyConnection, db: str) -> set[str]:
+    """Every file any publication in the catalog attached (as a DuckDB file) as ``db`` wrote: its data
+    and delete files, relative to the data path (as written), of every snapshot it keeps."""
+    return {r[0] for r in conn.execute(f"""
+        WITH t AS (SELECT DISTINCT t.table_id, CASE WHEN t.path_is_relative THEN
+                          (CASE WHEN s.path_is_relative THEN s.path ELSE '' END) || t.path ELSE t.path END AS tp
+                   FROM {db}.ducklake_table t JOIN {db}.ducklake_schema s USING (schema_id))
+        SELECT DISTINCT CASE WHEN f.path_is_relative THEN t.tp || f.path ELSE f.path END
+        FROM (SELECT table_id, path, path_is_relative FROM {db}.ducklake_data_file
+              UNION ALL SELECT table_id, path, path_is_relative FROM {db}.ducklake_delete_file) f
+        JOIN t USING (table_id)""").fetchall()}
+
+
+def _drop_unknown(data: Path, known: set[str]) -> None:
+    """Remove the Parquet files under ``data`` no catalog names (written by a publication killed before
+    its catalog replaced the old one: no reader can be reading them), then the folders left empty."""
+    if not data.is_dir():
+        return
+    for p in list(data.rglob("*.parquet")):
+        if p.relative_to(data).as_posix() not in known and str(p) not in known:
+            with contextlib.suppress(OSError):
+                p.unlink()
+    for d in sorted((d for d in data.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only when empty
+
+
 def _sweep(dest: Path) -> None:
-    """Remove what a publication killed part-way left (``.featurehouse-<pid>-...`` of a process
-    that is gone): its catalog copy, its spill folder, a table's files not yet moved in."""
-    for folder in (dest, dest / "hf"):
+    """Remove what publications killed part-way left: every ``.featurehouse-*`` (catalog copies, spill
+    and staging folders), and the data files no catalog names. Called holding the folder's lock, so
+    none of it belongs to a publication under way (a dry run writes nothing here), whatever process
+    id its name holds (a dead publisher's id may be a live process's by now)."""
+    hf = dest / "hf"
+    if not hf.exists():  # killed between the two renames of a swap without RENAME_EXCHANGE: put it back
+        for old in sorted(dest.glob(f"{SCRATCH}*-hf.old")):
+            with contextlib.suppress(OSError):
+                os.rename(old, hf)
+                break
+    for folder in (dest, hf):
         if not folder.is_dir():
             continue
-        for p in folder.glob(".featurehouse-*"):
-            m = re.match(r"\.featurehouse-(\d+)-", p.name)
-            if not m or int(m.group(1)) == os.getpid():
-                continue
-            try:
-                os.kill(int(m.group(1)), 0)
-                continue  # a publication under way
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            if p.is_dir():
+        for p in folder.glob(f"{SCRATCH}*"):
+            if p.is_dir() and not p.is_symlink():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 with contextlib.suppress(OSError):
                     p.unlink()
+    catalog = dest / CATALOG_FILE
+    if not catalog.exists():
+        _drop_unknown(dest / "data", set())  # no catalog: nothing names them
+        return
+    try:
+        with duckdb.connect() as raw:
+            raw.execute(f"ATTACH '{_q(str(catalog))}' AS w (READ_ONLY)")
+            known = _known_files(raw, "w")
+    except duckdb.Error:
+        return  # not a catalog this can read: remove nothing
+    _drop_unknown(dest / "data", known)
 
 
 # --- what is published ---------------------------------------------------------------------------
@@ -389,20 +496,27 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
                       include_private: bool, url: str | None, dry_run: bool, out: Published) -> dict[str, str]:
     """Write ``DEST/featurehouse.ducklake`` and ``DEST/data/``; the tables' how-written, by name."""
     final = dest / CATALOG_FILE
-    work = dest / f".featurehouse-{os.getpid()}-{time.time_ns()}.ducklake"
+    first = not final.exists()
+    # a dry run writes nothing into DEST (it holds no lock there): its copy of the catalog goes elsewhere
+    scratch = Path(tempfile.mkdtemp(prefix="featurehouse-publish-")) if dry_run else dest
+    work = scratch / f"{SCRATCH}{os.getpid()}-{time.time_ns()}.ducklake"
     data = dest / "data"
+    # a first publication writes its data files into a scratch folder, moved to data/ just before its
+    # catalog: killed before that, it leaves nothing a reader opens (and the next one removes it)
+    written = dest / f"{SCRATCH}{os.getpid()}-data" if first else data
     before = _files(data)
-    if final.exists():
-        shutil.copyfile(final, work)
-    elif dry_run:
+    if first and dry_run:
         work = None
-    wid = _warehouse_id(conn)
     try:
+        if not first:
+            shutil.copyfile(final, work)
+        wid = _warehouse_id(conn)
         if work is not None:
-            data.mkdir(parents=True, exist_ok=True)
-            opts = f"DATA_PATH '{_q(str(data))}/'" + (", OVERRIDE_DATA_PATH true" if final.exists() else "")
+            if not dry_run:
+                written.mkdir(parents=True, exist_ok=True)
+            opts = f"DATA_PATH '{_q(str(written))}/'" + ("" if first else ", OVERRIDE_DATA_PATH true")
             conn.execute(f"ATTACH 'ducklake:{_q(str(work))}' AS {PUB} ({opts})")
-            if not final.exists():
+            if first:
                 conn.execute(f"CALL {PUB}.set_option('parquet_row_group_size', {ROW_GROUP_ROWS})")
                 conn.execute(f"CALL {PUB}.set_option('parquet_compression', 'zstd')")
                 # rows in Parquet files, never in the catalog: the catalog stays small for a remote
@@ -460,16 +574,9 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
             raw.execute(f"ATTACH '{_q(str(work))}' AS w (READ_ONLY)")
             raw.execute(f"ATTACH '{_q(str(compact))}' AS c (BLOCK_SIZE 16384)")
             raw.execute("COPY FROM DATABASE w TO c")
-            # every file any publication in this catalog wrote (its data and delete files, relative
-            # to the data path): what else is in data/ a publication killed part-way left
-            known = {r[0] for r in raw.execute("""
-                WITH t AS (SELECT DISTINCT t.table_id, CASE WHEN t.path_is_relative THEN
-                                  (CASE WHEN s.path_is_relative THEN s.path ELSE '' END) || t.path ELSE t.path END AS tp
-                           FROM w.ducklake_table t JOIN w.ducklake_schema s USING (schema_id))
-                SELECT DISTINCT CASE WHEN f.path_is_relative THEN t.tp || f.path ELSE f.path END
-                FROM (SELECT table_id, path, path_is_relative FROM w.ducklake_data_file
-                      UNION ALL SELECT table_id, path, path_is_relative FROM w.ducklake_delete_file) f
-                JOIN t USING (table_id)""").fetchall()}
+            # every file any publication in this catalog wrote: what else is in data/ a publication
+            # killed part-way left
+            known = _known_files(raw, "w")
             raw.execute("UPDATE c.ducklake_metadata SET value = $v WHERE key = 'data_path' AND scope IS NULL",
                         {"v": f"{url}/data/" if url else "data/"})
             raw.execute("DETACH c")
@@ -477,14 +584,13 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
             os.fsync(f.fileno())
         work.unlink()
         work = compact
+        if written != data:  # a first publication: its files where its catalog says, then the catalog
+            _move_into(written, data)
         os.replace(work, final)  # last: a reader of the old catalog reads its files, which stay
         work = None
         # under the folder's lock: a file no publication's catalog names was written by one that
         # was killed before its catalog replaced the old one; no reader can be reading it
-        for p in list(data.rglob("*.parquet")):
-            if p.relative_to(data).as_posix() not in known:
-                with contextlib.suppress(OSError):
-                    p.unlink()
+        _drop_unknown(data, known)
         after = _files(data)
         new = {p: s for p, s in after.items() if p not in before}
         out.files_written += len(new) + 1
@@ -501,6 +607,25 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
             for leftover in (base, base + ".wal", base + ".compact", base + ".compact.wal"):
                 with contextlib.suppress(OSError):
                     os.unlink(leftover)
+            if written != data:
+                shutil.rmtree(written, ignore_errors=True)
+        if scratch != dest:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _move_into(src: Path, dst: Path) -> None:
+    """Move the files under ``src`` to the same places under ``dst`` (in one rename when ``dst`` is
+    not there or empty)."""
+    try:
+        os.rename(src, dst)
+        return
+    except OSError:
+        pass
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        target = dst / f.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(f, target)
+    shutil.rmtree(src, ignore_errors=True)
 
 
 # --- the Hugging Face layout -----------------------------------------------------------------------
@@ -594,64 +719,117 @@ def _card(conn: duckdb.DuckDBPyConnection, tables: list[str], snap: int, snap_ti
     return "\n".join(lines)
 
 
+def _held_hf(dest: Path) -> dict[str, str]:
+    """Which warehouse snapshot each table's files in ``hf/`` hold, as ``hf/.published.json`` says."""
+    try:
+        return dict(json.loads((dest / "hf" / HF_MARK).read_text(encoding="utf-8")).get("tables", {}))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def _check_hf(dest: Path, tables: list[str]) -> None:
+    """``hf/`` is replaced whole: refuse when it holds anything a publication did not make."""
+    hf = dest / "hf"
+    if not hf.is_dir():
+        return
+    ours = set(_held_hf(dest)) | set(tables)
+    other = sorted(p.name for p in hf.iterdir() if p.name not in (HF_MARK, "README.md") and not
+                   p.name.startswith(SCRATCH) and not (p.name in ours and p.is_dir() and not p.is_symlink()))
+    if other:
+        raise PublishRefused(f"{hf} holds files no publication made ({', '.join(other[:3])}): move them out of it")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux's ``renameat2(RENAME_EXCHANGE)``); False where there is none."""
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    e = ctypes.get_errno()
+    if e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # not on this system or file system
+        return False
+    raise OSError(e, os.strerror(e), str(b))
+
+
+def _swap_in(stage: Path, folder: Path) -> None:
+    """Put ``stage`` where ``folder`` is, in one step: a reader (or a kill) sees the old or the new."""
+    if not folder.exists():
+        os.rename(stage, folder)
+        return
+    if _exchange(stage, folder):
+        shutil.rmtree(stage, ignore_errors=True)  # the old one, now
+        return
+    # two renames: killed between them, the next publication's sweep renames the old one back
+    old = stage.with_name(stage.name + ".old")
+    os.rename(folder, old)
+    os.rename(stage, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` holds ``src``'s files: hard links (no bytes written; the old ones stay whole), else copies."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_dir():
+            _link_or_copy(f, dst / f.name)
+            continue
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
 def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
                 include_private: bool, license: str | None, changed: dict[str, str], out: Published) -> None:
+    """Write ``DEST/hf/`` whole into a scratch folder, then swap it in: ``hf/`` is the publication
+    before or this one, never some of each (killed part-way, the next sweeps the scratch)."""
     hf = dest / "hf"
-    hf.mkdir(parents=True, exist_ok=True)
-    mark_path = hf / HF_MARK
-    try:
-        held: dict[str, str] = dict(json.loads(mark_path.read_text(encoding="utf-8")).get("tables", {}))
-    except (OSError, ValueError, AttributeError, TypeError):
-        held = {}
+    held = _held_hf(dest) if hf.is_dir() else {}
     here = _stamp(_warehouse_id(conn), snap, snap_time)
-
-    def mark() -> None:  # after each table: a publication killed part-way leaves a true record
-        tmp_mark = hf / f".featurehouse-{os.getpid()}-mark"
-        tmp_mark.write_text(json.dumps({"tables": held}, indent=1), encoding="utf-8")
-        os.replace(tmp_mark, mark_path)
-
-    for table in tables:
-        folder = hf / table
-        # kept only when its files hold this snapshot, or the one the DuckLake held before and the
-        # table did not change since (what `ducklake` just found in the change feed)
-        if folder.is_dir() and (held.get(table) == here or (
-                out.base and held.get(table) == out.base and changed.get(table) == "unchanged")):
-            held[table] = here
-            continue
-        names = [c for c, _ in _columns(conn, table, snap, include_private)]
-        sel = ", ".join(_ident(c) for c in names)
-        tmp = hf / f".featurehouse-{os.getpid()}-{table}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) ORDER BY {_order(names)}) "
-                     f"TO '{_q(str(tmp))}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {ROW_GROUP_ROWS}, "
-                     "FILE_SIZE_BYTES '512MB', PER_THREAD_OUTPUT false)")
-        if not any(tmp.glob("*.parquet")):  # an empty table: one file with its columns
-            tmp.mkdir(exist_ok=True)
-            conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) LIMIT 0) "
-                         f"TO '{_q(str(tmp / 'data_0.parquet'))}' (FORMAT parquet)")
-        new = _files(tmp)
-        out.files_written += len(new)
-        out.bytes_written += sum(new.values())
-        out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + sum(new.values())
-        old = hf / f".featurehouse-{os.getpid()}-{table}.old"
-        if folder.exists():
-            os.replace(folder, old)
-        os.replace(tmp, folder)
-        shutil.rmtree(old, ignore_errors=True)
-        held[table] = here
-        mark()
-    for gone in sorted(set(held) - set(tables)):  # a table an earlier publication wrote and this one does not name
-        shutil.rmtree(hf / gone, ignore_errors=True)
-        del held[gone]
-    mark()
-    files = {t: sorted(p.name for p in (hf / t).glob("*.parquet")) for t in tables}
-    card = _card(conn, tables, snap, snap_time, license, include_private, files)
-    tmp_card = hf / f".featurehouse-{os.getpid()}-README.md"
-    tmp_card.write_text(card, encoding="utf-8")
-    os.replace(tmp_card, hf / "README.md")
-    out.files_written += 1
-    out.bytes_written += len(card.encode())
-    out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + len(card.encode())
+    stage = dest / f"{SCRATCH}{os.getpid()}-hf"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        now: dict[str, str] = {}
+        for table in tables:
+            folder = hf / table
+            target = stage / table
+            now[table] = here
+            # kept only when its files hold this snapshot, or the one the DuckLake held before and the
+            # table did not change since (what `ducklake` just found in the change feed)
+            if folder.is_dir() and (held.get(table) == here or (
+                    out.base and held.get(table) == out.base and changed.get(table) == "unchanged")):
+                _link_or_copy(folder, target)
+                continue
+            names = [c for c, _ in _columns(conn, table, snap, include_private)]
+            sel = ", ".join(_ident(c) for c in names)
+            conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) ORDER BY {_order(names)}) "
+                         f"TO '{_q(str(target))}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {ROW_GROUP_ROWS}, "
+                         "FILE_SIZE_BYTES '512MB', PER_THREAD_OUTPUT false)")
+            if not any(target.glob("*.parquet")):  # an empty table: one file with its columns
+                target.mkdir(exist_ok=True)
+                conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) LIMIT 0) "
+                             f"TO '{_q(str(target / 'data_0.parquet'))}' (FORMAT parquet)")
+            new = _files(target)
+            out.files_written += len(new)
+            out.bytes_written += sum(new.values())
+            out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + sum(new.values())
+        (stage / HF_MARK).write_text(json.dumps({"tables": now}, indent=1), encoding="utf-8")
+        files = {t: sorted(p.name for p in (stage / t).glob("*.parquet")) for t in tables}
+        card = _card(conn, tables, snap, snap_time, license, include_private, files)
+        (stage / "README.md").write_text(card, encoding="utf-8")
+        out.files_written += 1
+        out.bytes_written += len(card.encode())
+        out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + len(card.encode())
+        _swap_in(stage, hf)  # the tables an earlier publication wrote and this one does not name go with it
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 # --- the whole of it --------------------------------------------------------------------------------
@@ -678,16 +856,13 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
     try:
         snap, snap_time = _snapshot(conn, snapshot, at)
         names = _tables(conn, snap, tables)
-        spill = dest / f".featurehouse-{os.getpid()}-tmp"
+        if "hf" in formats:
+            _check_hf(dest, names)
+        spill = dest / f"{SCRATCH}{os.getpid()}-tmp"
         if not dry_run:
             dest.mkdir(parents=True, exist_ok=True)
-            # one publication into a folder at a time: two would each build on the same catalog,
-            # and the one replacing it last would drop the other's publication
-            lock = stack.enter_context(open(dest / LOCK_FILE, "a+b"))
-            try:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise PublishRefused(f"another publication into {dest} is under way: wait for it") from None
+            _lock(dest, stack)  # one publication into a folder at a time
+            stack.callback(shutil.rmtree, spill, ignore_errors=True)  # before the lock is let go
             _sweep(dest)
             conn.execute(f"SET temp_directory = '{_q(str(spill))}'")
         out = Published(dest, snap, snap_time, tuple(formats), dry_run=dry_run, url=url)
@@ -698,7 +873,6 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
             _publish_hf(conn, dest, names, snap, snap_time, include_private, license, changed, out)
         elif "hf" in formats and not out.tables:
             out.tables = [TableDone(t, _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})"), "whole") for t in names]
-        shutil.rmtree(spill, ignore_errors=True)
     finally:
         conn.close()
         stack.close()
