@@ -282,3 +282,30 @@ def test_fetch_strict_exits_4_when_the_verdict_is_fail_even_with_urls_lost(tmp_p
     assert strict.returncode == 4, strict.stdout + strict.stderr
     assert "FAIL" in strict.stdout
     assert lax.returncode == 3, lax.stdout + lax.stderr
+
+
+@pytest.mark.parametrize("wait", ["trickle", "retry_after"])
+def test_a_slow_answer_or_a_retry_after_wait_still_logs_progress(tmp_path, caplog, monkeypatch, wait):
+    """Issue 45: progress was logged only when a URL finished, so a page trickling in for 70 s
+    (or a Retry-After wait) left the task's log silent; now a line comes at least every
+    LOG_EVERY seconds, saying what is done and what is in flight, and stops with the fetch."""
+    import logging
+    import threading
+
+    from pipeline.sources import fetch as fetch_mod
+
+    monkeypatch.setattr(fetch_mod, "LOG_EVERY", 0.3)
+    slow = feature_path(1)
+    kw = ({"always": {slow: "trickle"}, "trickle_seconds": 1.5} if wait == "trickle"
+          else {"faults": {slow: ["429"]}, "retry_after": "2"})
+    with FakeNeuronpedia(pages=pages(3), **kw) as np, caplog.at_level(logging.INFO, "featurehouse.fetch"):
+        result = fetch_features(MODEL, SOURCE, range(3), settings=settings_in(tmp_path), base_url=np.base_url,
+                                window="w-slow", concurrency=1, max_attempts=2,
+                                **FAST | {"timeout": 5})
+        url = np.base_url + slow
+    assert result.n_landed == 3
+    lines = [r.getMessage() for r in caplog.records if " done in " in r.getMessage()]
+    waiting = [m for m in lines if "1 in flight, the longest for" in m and m.endswith(url)]
+    assert len(waiting) >= 3, lines  # ~1.5 s of waiting, a line every 0.3 s
+    assert "1 of 3 done" in waiting[0], waiting
+    assert not [t for t in threading.enumerate() if t.name == "fetch-progress"]  # stopped with the fetch

@@ -18,6 +18,7 @@ its own), its end, the closing of a run loaded in parts, and where its report wa
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import socket
 import time
@@ -34,7 +35,8 @@ from . import warehouse
 from .warehouse import utcnow
 
 __all__ = ["ABANDONED", "this_host", "process_gone", "find_abandoned", "apply", "mark_abandoned", "RunSummary",
-           "COUNTERS", "start_run", "write_counts", "finish_run", "finish_parts", "record_report"]
+           "COUNTERS", "began_at", "start_run", "write_counts", "finish_run", "finish_parts", "end_run",
+           "record_report"]
 
 ABANDONED = "abandoned"
 
@@ -171,8 +173,10 @@ class RunSummary:
     n_expectations: int = 0
     n_expectations_failed: int = 0
     seconds: float = 0.0
-    """From the command's start to the run's end (before its report): ``runs``' started_at and
-    finished_at span the same, so ``status`` and the ingest's summary give one duration."""
+    """From the command's start to the run's end (before its report; ``fetch features``: after
+    it, so every stage in ``stage_seconds`` is inside): ``runs``' started_at and finished_at span
+    the same, so ``status`` and the ingest's summary give one duration. A part's is its own; its
+    run's (``runs``) is the night's, from its first fetch to ``finish``."""
     started_at: datetime | None = field(default=None, repr=False)
     """When the ingest began (naive UTC), before it opened the warehouse: ``runs.started_at``."""
     commits: int = 0
@@ -242,13 +246,30 @@ def write_counts(conn: duckdb.DuckDBPyConnection, summary: RunSummary, counts: d
                  + " WHERE run_id = $run_id", add | {"run_id": summary.run_id})
 
 
+_BEGAN: contextvars.ContextVar[datetime | None] = contextvars.ContextVar("featurehouse_run_began", default=None)
+
+
+@contextlib.contextmanager
+def began_at(when: datetime | None):
+    """Within the block, a part of a shared run that makes the run's row (the first part)
+    records ``when`` (naive UTC) as the run's ``started_at``, not its own start: a night's run
+    began when its first fetch did (``pipeline.sources.fetch.ingest_unit``). None changes nothing."""
+    token = _BEGAN.set(when)
+    try:
+        yield
+    finally:
+        _BEGAN.reset(token)
+
+
 def start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary, trigger: str) -> None:
     """Record the run as running, and which process runs it (``runs.host``, ``runs.pid``: how a
     later run tells it was killed); a retry of the same run id carries on from its counts. A
-    part of a shared run makes the row if it is the first, and clears its own earlier failure;
-    a shared run records no owner (its parts run in many processes, and the DAG's ``finish``
-    task settles its status), so it is never taken for abandoned.
+    part of a shared run makes the row if it is the first (started when :func:`began_at` says,
+    else now), and clears its own earlier failure; a shared run records no owner (its parts run
+    in many processes, and the DAG's ``finish`` task settles its status), so it is never taken
+    for abandoned.
     """
+    began = summary.started_at or (_BEGAN.get() if summary.part is not None else None) or utcnow()
     owner = {"host": this_host(), "pid": os.getpid()} if summary.part is None else {"host": None, "pid": None}
 
     def body(conn: duckdb.DuckDBPyConnection) -> None:
@@ -268,7 +289,7 @@ def start_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunS
         else:
             warehouse.execute(conn, "INSERT INTO runs (run_id, started_at, status, trigger, host, pid) "
                          "VALUES ($run_id, $at, 'running', $trigger, $host, $pid)",
-                         {"run_id": summary.run_id, "at": summary.started_at or utcnow(), "trigger": trigger} | owner)
+                         {"run_id": summary.run_id, "at": began, "trigger": trigger} | owner)
 
     if summary.part is not None:
         # A part of a run whose row is there, not failed by this part: nothing to write, so no
@@ -312,21 +333,38 @@ def finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
         extra={"run_id": summary.run_id, "part": summary.part}, stats=summary.stats)
 
 
-def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, failed_parts: int = 0) -> str:
+def finish_parts(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, failed_parts: int = 0,
+                 started_at: datetime | None = None) -> str:
     """Close a run loaded in parts: ``succeeded`` unless a part failed (its error stays) or
-    ``failed_parts`` (known to the scheduler) is above 0. Returns the status."""
+    ``failed_parts`` (known to the scheduler) is above 0. Returns the status. ``started_at``
+    (naive UTC), when the run began before its first part did (a night's first fetch), becomes
+    its ``started_at``: its ``seconds`` are then the whole night's, fetching included."""
     def body(c: duckdb.DuckDBPyConnection) -> str:
         row = warehouse.execute(c, "SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
         if row is None:  # no part had anything to load
             warehouse.execute(c, "INSERT INTO runs (run_id, started_at, status, trigger) VALUES (?, ?, 'running', 'airflow')",
-                      [run_id, utcnow()])
+                      [run_id, started_at or utcnow()])
         status = "failed" if (row and row[0] == "failed") or failed_parts else "succeeded"
-        warehouse.execute(c, "UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?) WHERE run_id = ?",
-                  [status, utcnow(), f"{failed_parts} ingest part(s) failed" if failed_parts else None, run_id])
+        warehouse.execute(c, "UPDATE runs SET status = ?, finished_at = ?, error = coalesce(error, ?), "
+                          "started_at = least(started_at, coalesce(?, started_at)) WHERE run_id = ?",
+                  [status, utcnow(), f"{failed_parts} ingest part(s) failed" if failed_parts else None,
+                   started_at, run_id])
         return status
 
     return warehouse.transaction(conn, settings, body, message=f"run {run_id} parts finished",
                                  extra={"run_id": run_id})
+
+
+def end_run(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, at: datetime) -> None:
+    """Move a finished run's ``finished_at`` on to ``at`` (naive UTC): the end of the work that
+    came after its load and belongs to it (``fetch features`` writes the run's fetch failures and
+    its report then), so that ``runs`` and the command's summary give one duration."""
+    warehouse.transaction(
+        conn, settings, lambda c: warehouse.execute(
+            c, "UPDATE runs SET finished_at = greatest(finished_at, ?) WHERE run_id = ? AND finished_at IS NOT NULL",
+            [at, run_id]),
+        message=f"run {run_id} ended", extra={"run_id": run_id},
+    )
 
 
 def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path) -> None:

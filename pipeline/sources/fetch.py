@@ -6,6 +6,8 @@ Each body is landed untouched (``landing/sha256/...``) and one line per URL is a
 window's manifest, ``landing/fetch/<window>.jsonl``. A rerun with the same window skips what
 that manifest says already landed. :func:`ingest_fetched` then loads what a window landed
 through the ordinary ingest path and records what could not be fetched in ``fetch_failures``.
+Each fetch also records when it started (``landing/fetch/.starts/<window>.jsonl``): the
+window's first start is when a night's run began (:func:`finish_fetched`).
 
 The HTTP client (retries, rate budget, the API key) is ``pipeline.sources.api``; the manifest
 ``pipeline.sources.manifest``; listing and streaming exports ``pipeline.sources.exports``.
@@ -13,11 +15,17 @@ The HTTP client (retries, rate budget, the API key) is ``pipeline.sources.api``;
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import os
+import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -61,6 +69,8 @@ __all__ = [
     "ingest_fetched",
     "ingest_unit",
     "finish_fetched",
+    "first_fetch_start",
+    "record_fetch_start",
     "in_unit",
     "missing_source",
     "settle_source",
@@ -101,6 +111,56 @@ class FetchResult:
         return d
 
 
+# --- when a window's fetching began -------------------------------------------------------
+
+
+def _starts_path(window: str, settings: Settings) -> Where:
+    """``landing/fetch/.starts/<window>.jsonl`` (on S3, parts under ``.../fetch/.starts/<window>/``):
+    beside the manifests, never taken for one (a window's name never starts with '.')."""
+    manifest_path(window, settings)  # the same check of the window's name
+    root = settings.landing_root
+    if s3.is_s3(root):
+        return f"{root}/fetch/.starts/{window}/"
+    return Path(root) / "fetch" / ".starts" / f"{window}.jsonl"
+
+
+def record_fetch_start(window: str, at: datetime, settings: Settings | None = None) -> None:
+    """Record that a fetch of ``window`` started ``at`` (naive UTC): one line per fetch (a
+    retried chunk adds its own), ``{"fetch_started": ..., "host": ..., "pid": ...}``."""
+    settings = settings or Settings.from_env()
+    path = _starts_path(window, settings)
+    line = orjson.dumps({"fetch_started": at.isoformat(), "host": os.uname().nodename, "pid": os.getpid()}) + b"\n"
+    if s3.is_s3(path):  # no appends: a part of its own, named by the time
+        s3.put_bytes(f"{path}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl", line)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)  # one write: lines never interleave
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def first_fetch_start(window: str, settings: Settings | None = None) -> datetime | None:
+    """When the window's first fetch started (naive UTC): the nightly run's ``started_at``. None
+    when no fetch recorded its start (a window fetched before they did, or none fetched)."""
+    settings = settings or Settings.from_env()
+    path = _starts_path(window, settings)
+    if s3.is_s3(path):
+        data = b"".join(s3.get_bytes(url) for url in s3.list_keys(str(path)))
+    elif Path(path).exists():
+        data = Path(path).read_bytes()
+    else:
+        return None
+    starts = []
+    for line in data.splitlines():
+        try:
+            starts.append(datetime.fromisoformat(orjson.loads(line)["fetch_started"]).replace(tzinfo=None))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a partial last line of a killed fetch
+    return min(starts, default=None)
+
+
 # --- the fetch loop -----------------------------------------------------------------------
 
 
@@ -114,11 +174,15 @@ class _Job:
 
 
 #: Seconds between the progress lines a fetch logs (the bar is for terminals; an Airflow task's
-#: log gets these).
+#: log gets these): at most this long apart while the fetch runs, whether or not a URL finished
+#: meanwhile (a slow answer, a ``Retry-After`` wait), each saying what is done and what is in flight.
 LOG_EVERY = 30.0
 
 
 class _Progress:
+    """A fetch's progress: the terminal's bar, and a line in the log at least every
+    :data:`LOG_EVERY` seconds (from a thread of its own, stopped by :meth:`close`)."""
+
     def __init__(self, result: FetchResult, total: int | None, show: bool, desc: str):
         self.result = result
         self.bar = tqdm(total=total, unit="page", desc=desc, disable=not show, dynamic_ncols=True)
@@ -126,6 +190,24 @@ class _Progress:
         self.logged = self.started
         self.total = total
         self.desc = desc
+        self._lock = threading.Lock()
+        self._flying: dict[int, tuple[str, float]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="fetch-progress", daemon=True)
+        self._ticker.start()
+
+    @contextlib.contextmanager
+    def flying(self, url: str):
+        """The block asks for ``url`` (retries and waits included): it is in flight meanwhile."""
+        n = next(self._ids)
+        with self._lock:
+            self._flying[n] = (url, time.monotonic())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._flying.pop(n, None)
 
     def update(self) -> None:
         r = self.result
@@ -135,15 +217,39 @@ class _Progress:
                              skipped=r.n_skipped_already_landed,
                              per_hour=int(done / elapsed * 3600), refresh=False)
         self.bar.update(1)
-        now = time.monotonic()
-        if now - self.logged >= LOG_EVERY:
+        self._log_if_due()
+
+    def _tick(self) -> None:
+        while True:
+            with self._lock:
+                due = self.logged + LOG_EVERY
+            if self._stop.wait(max(0.01, due - time.monotonic())):
+                return
+            self._log_if_due()
+
+    def _log_if_due(self) -> None:
+        # Composed and logged under the lock: lines come out in the order they were counted (the
+        # last one has the final counts), whichever thread logs them.
+        with self._lock:
+            now = time.monotonic()
+            if now - self.logged < LOG_EVERY:
+                return
             self.logged = now
+            flying = min(self._flying.values(), key=lambda f: f[1], default=None)
+            r = self.result
+            elapsed = max(now - self.started, 1e-6)
+            done = r.n_landed + r.n_not_found + r.n_failed
             of = f" of {self.total:,}" if self.total else ""
-            log.info("%s: %d%s done in %.0f s (landed %d, failed %d, not found %d, already landed %d; %d an hour)",
+            air = (f"; {len(self._flying)} in flight, the longest for {now - flying[1]:.0f} s: {flying[0]}"
+                   if flying else "; none in flight")
+            log.info("%s: %d%s done in %.0f s (landed %d, failed %d, not found %d, already landed %d; %d an hour)%s",
                      self.desc, done + r.n_skipped_already_landed, of, elapsed, r.n_landed, r.n_failed,
-                     r.n_not_found, r.n_skipped_already_landed, int(done / elapsed * 3600))
+                     r.n_not_found, r.n_skipped_already_landed, int(done / elapsed * 3600), air)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._ticker is not threading.current_thread():
+            self._ticker.join(timeout=5)
         self.bar.close()
 
 
@@ -160,7 +266,8 @@ class _Fetcher:
     def run_job(self, job: _Job) -> dict[str, Any] | None:
         base = {"key": job.key, "url": job.url, "kind": job.kind, "model": self.model, "source": self.source}
         try:
-            (fields, attempts) = self.client.call(job.url, job.run)
+            with self.progress.flying(job.url):
+                (fields, attempts) = self.client.call(job.url, job.run)
             entry = base | {"attempts": attempts, "last_error": None} | fields
         except Cancelled:
             return None  # stopping: leave no line, so a rerun asks for this URL again
@@ -374,9 +481,11 @@ def fetch_features(
     """
     if (indices is None) == (not all_features):
         raise ValueError("give either feature indices or all_features=True (not both, not neither)")
+    began = utcnow()
     settings = settings or Settings.from_env()
     window = window or new_run_id("fetch")
     manifest = Manifest(manifest_path(window, settings), settings.landing_root)
+    record_fetch_start(window, began, settings)  # the window's first is when its night began
     result = FetchResult(window=window, manifest=str(manifest.path))
     started = time.monotonic()
     client = Client(api_key=api_key, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
@@ -450,9 +559,11 @@ def fetch_exports(
     and its gzip stream decompresses to the end with a good CRC; otherwise it is fetched
     again, as for any transient failure. No API key is sent to the bucket.
     """
+    began = utcnow()
     settings = settings or Settings.from_env()
     window = window or new_run_id("fetch")
     manifest = Manifest(manifest_path(window, settings), settings.landing_root)
+    record_fetch_start(window, began, settings)  # the window's first is when its night began
     result = FetchResult(window=window, manifest=str(manifest.path))
     started = time.monotonic()
     client = Client(api_key=None, timeout=timeout, max_attempts=max_attempts, concurrency=concurrency,
@@ -467,9 +578,17 @@ def fetch_exports(
     try:
         listing = ListObjectsV2(bucket, prefix)
         objects = []
-        for page in listing.pages(lambda url, params: client.call(f"{url}?prefix={prefix}",
-                                                                  lambda: client.get_bytes(url, params))[0]):
-            objects.extend(page)
+
+        def list_page(url: str, params: Any) -> bytes:
+            with lister.flying(f"{url}?prefix={prefix}"):
+                return client.call(f"{url}?prefix={prefix}", lambda: client.get_bytes(url, params))[0]
+
+        lister = _Progress(result, None, False, f"exports {model}/{source} (listing)")
+        try:
+            for page in listing.pages(list_page):
+                objects.extend(page)
+        finally:
+            lister.close()
         chosen = select_exports(objects, prefix, batches)
         result.n_listed, result.n_batches = len(objects), sum("/batch-" in o.key for o in chosen)
         if not chosen:
@@ -577,12 +696,17 @@ def ingest_fetched(
     inputs = _window_inputs(entries.values(), settings, failures)
     # The report is written after fetch_failures holds this run's rows: it lists them and judges by them.
     summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False)
+    loaded = time.monotonic()
     with warehouse.connect(settings) as conn:
         _record_failures(conn, settings, window, run_id, failures)
         if report_after:  # as in ingest: a report that cannot be written does not fail the run
             from ..ingest import write_run_report
 
             write_run_report(conn, summary, settings)
+            # the run's seconds cover every stage it lists, its report included, and the
+            # runs table says the same duration
+            summary.seconds = round(summary.seconds + time.monotonic() - loaded, 3)
+            runstate.end_run(conn, settings, run_id, utcnow())
     return summary
 
 
@@ -628,9 +752,11 @@ def ingest_unit(unit: dict[str, Any], settings: Settings | None = None, *, run_i
     """
     settings = settings or Settings.from_env()
     entries = read_manifest(manifest_path(unit["window"], settings))
+    fetch_started = first_fetch_start(unit["window"], settings)
     inputs = _window_inputs((e for e in entries.values() if in_unit(e, unit)), settings, [])
-    return ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False,
-                  source_stats=False, part=int(unit["part"]))
+    with runstate.began_at(fetch_started):  # the first part makes the run's row: it began with the fetch
+        return ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False,
+                      source_stats=False, part=int(unit["part"]))
 
 
 def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str,
@@ -638,17 +764,22 @@ def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str
     """After a window's units are ingested: record what could not be fetched in
     ``fetch_failures`` and close the run (``failed`` when a unit failed, or ``failed_parts``
     says some did — a killed worker's part cannot say so itself: then this raises, so that what
-    follows, materialise and the report, does not run on a partial load)."""
+    follows, materialise and the report, does not run on a partial load).
+
+    The run began when the window's first fetch did (:func:`record_fetch_start`): its
+    ``started_at`` is then, so its ``seconds`` are the whole night's, from the
+    first fetch to this."""
 
     settings = settings or Settings.from_env()
     failures: list[dict[str, Any]] = []
     entries = read_manifest(manifest_path(window, settings))
+    fetch_started = first_fetch_start(window, settings)
     for e in entries.values():
         if e.get("status") in ("failed", "not_found"):
             failures.append(e)
     with warehouse.connect(settings, create=True) as conn:
         _record_failures(conn, settings, window, run_id, failures)
-        status = runstate.finish_parts(conn, settings, run_id, failed_parts)
+        status = runstate.finish_parts(conn, settings, run_id, failed_parts, started_at=fetch_started)
         if status == "failed":
             (error,) = conn.execute("SELECT error FROM runs WHERE run_id = ?", [run_id]).fetchone()
             raise RuntimeError(f"run {run_id}: an ingest part failed: {error}")
@@ -657,8 +788,6 @@ def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str
 
 def _fetched_at(entry: dict[str, Any]):
     """When a manifest entry's body was fetched (naive UTC), the capture time of what it landed."""
-    from datetime import datetime
-
     try:
         return datetime.fromisoformat(entry["fetched_at"]) if entry.get("fetched_at") else None
     except ValueError:
