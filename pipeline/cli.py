@@ -406,9 +406,22 @@ _STATUS_COLUMNS = (
     ("quarantined", "n_quarantined"), ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
     ("fetch_failed", "n_fetch_failed"), ("not_found", "n_fetch_not_found"), ("why", "verdict_reason"),
 )
-#: What ``status`` shows without ``--wide``: a terminal's width (the why cut to fit).
-_STATUS_NARROW = ("run_id", "status", "verdict", "started_at", "seconds", "loaded", "rejected", "quarantined",
-                  "fetch_failed", "why")
+#: What ``status`` shows without ``--wide``, most wanted first: as many as the terminal holds, the
+#: why given the rest of the line (at least _WHY_MIN characters). run_id names the start time too.
+_STATUS_NARROW = ("run_id", "verdict", "status", "why", "loaded", "rejected", "fetch_failed", "quarantined",
+                  "seconds", "started_at")
+_WHY_MIN = 24
+
+
+def _out_of(run: dict) -> dict[str, int]:
+    """What each failure count of a run is out of (as its verdict counts them): rejected inputs of
+    the inputs not already landed, lost URLs of the URLs asked for, failed expectation results of
+    all, quarantined records of every record read."""
+    n = {k: int(run.get(k) or 0) for k in ("n_received", "n_duplicates", "n_fetch_failed", "n_expectations",
+                                           "n_features", "n_activations", "n_explanations", "n_quarantined")}
+    return {"n_rejected": n["n_received"] - n["n_duplicates"], "n_fetch_failed": n["n_fetch_failed"] + n["n_received"],
+            "n_expectations_failed": n["n_expectations"],
+            "n_quarantined": n["n_features"] + n["n_activations"] + n["n_explanations"] + n["n_quarantined"]}
 
 
 def _status_cell(run: dict, key: str):
@@ -420,7 +433,39 @@ def _status_cell(run: dict, key: str):
         return round(run[key], 1)
     if key == "started_at" and run[key] is not None:
         return run[key].replace(microsecond=0)
+    of = _out_of(run).get(key)
+    if of is not None:  # a failure count says what it is out of: 50 of 100 URLs is not 1 of 40 records
+        return f"{run[key] or 0:,} of {of:,}" if run[key] else "0"
     return run[key]
+
+
+def _fit_status(columns: list[tuple[str, str]], rows: list[tuple], width: int) -> tuple[list, list]:
+    """The narrow table's columns that fit ``width`` characters of DuckDB's box rendering, in
+    _STATUS_NARROW's order of wanting, the why cut to the rest of the line."""
+    def need(i: int, h: str) -> int:  # a column's share of the line: its widest of name, type, values, +3
+        values = [r[i] for r in rows if r[i] is not None]
+        kind = {str: 7, int: 5, float: 6}.get(type(values[0]), 9) if values else 7  # varchar, int64, double
+        return 3 + max([len(h), kind] + [len(str(v)) for v in values])
+
+    index = {h: i for i, (h, _) in enumerate(columns)}
+    kept, used = [], 1
+    for h in _STATUS_NARROW:
+        w = (3 + _WHY_MIN) if h == "why" else need(index[h], h)
+        if used + w + (0 if "why" in kept or h == "why" else 3 + _WHY_MIN) <= width:
+            kept.append(h)
+            used += w
+    room = max(_WHY_MIN, width - used + _WHY_MIN)  # what the why's column holds once the others are in
+    order = [h for h, _ in columns if h in kept]
+    out = []
+    for r in rows:
+        cells = []
+        for h in order:
+            v = r[index[h]]
+            if h == "why" and v and len(v) > room:
+                v = v[: room - 1] + "…"
+            cells.append(v)
+        out.append(tuple(cells))
+    return order, out
 
 
 @cli.command("status")
@@ -447,12 +492,14 @@ def status_cmd(warehouse, limit, fmt, wide) -> None:
             return
         columns = [(h, c) for h, c in _STATUS_COLUMNS if wide or h in _STATUS_NARROW]
         rows = [tuple(_status_cell(r, c) for _, c in columns) for r in runs]
-        width = 10_000
-        if not wide and sys.stdout.isatty():  # DuckDB's renderer fits the table to the terminal
-            import shutil
+        heads = [h for h, _ in columns]
+        if not wide and sys.stdout.isatty():  # the columns most wanted that fit the terminal, the why cut to fit
+            import shutil  # (into a pipe or file: the narrow columns whole, for grep and less -S)
 
-            width = shutil.get_terminal_size((120, 24)).columns
-        _print_rows([h for h, _ in columns], rows, "table", max_width=width)
+            heads, rows = _fit_status(columns, rows, shutil.get_terminal_size((120, 24)).columns)
+        _print_rows(heads, rows, "table", max_width=10_000)
+        if not wide and len(heads) < len(_STATUS_COLUMNS):
+            click.echo(f"({len(_STATUS_COLUMNS) - len(heads)} more columns: featurehouse status --wide, or --format json)")
         totals = conn.sql(
             "SELECT (SELECT count(*) FROM features), (SELECT count(*) FROM activations), "
             "(SELECT count(*) FROM explanations), (SELECT count(*) FROM quarantine), "

@@ -94,7 +94,7 @@ def test_status_shows_a_night_whose_fetch_failed_wholly_as_fail_with_its_fetch_f
     header = next(ln for ln in table.stdout.splitlines() if "run_id" in ln)
     (row,) = [ln for ln in table.stdout.splitlines() if "night-down" in ln and "│" in ln]
     cells = dict(zip([h.strip() for h in header.split("│")], [c.strip() for c in row.split("│")]))
-    assert (cells["status"], cells["verdict"], cells["fetch_failed"]) == ("succeeded", "FAIL", "3")
+    assert (cells["status"], cells["verdict"], cells["fetch_failed"]) == ("succeeded", "FAIL", "3 of 3")
     assert cells["why"].startswith("3 of 3 URL(s) failed to fetch (all)")
 
     as_json = subprocess.run([str(FEATUREHOUSE), "status", "--warehouse", str(settings.warehouse), "--format", "json"],
