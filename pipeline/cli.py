@@ -509,21 +509,59 @@ def status_cmd(warehouse, limit, fmt, wide) -> None:
                    "{} rejected inputs".format(*totals))
 
 
+#: Variables read where they are used, not through Settings or featurehouse.toml (docs/cli.md#settings
+#: says what each does): (name, setting, the value in effect when unset, whether it is a secret).
+_OTHER_VARIABLES = (
+    ("NEURONPEDIA_API_KEY", "api_key", "(not set)", True),
+    ("FEATUREHOUSE_CACHE_DIR", "cache_dir", None, False),
+    ("FEATUREHOUSE_DUCKDB_MEMORY", "duckdb_memory", "1GB", False),
+    ("FEATUREHOUSE_CHART_TIMEOUT", "chart_timeout", "120", False),
+    ("FEATUREHOUSE_SCHEMAS", "schemas_dir", None, False),
+)
+
+
+def _other_variables() -> list[dict[str, str]]:
+    from .config import SCHEMAS_DIR
+    from .lake.extensions import _cache_dir
+
+    derived = {"FEATUREHOUSE_CACHE_DIR": str(_cache_dir() or "(none: no HOME)"), "FEATUREHOUSE_SCHEMAS": str(SCHEMAS_DIR)}
+    rows = []
+    for name, what, default, secret in _OTHER_VARIABLES:
+        given = (os.environ.get(name) or "").strip()
+        value = ("***" if secret else given) if given else derived.get(name, default)
+        rows.append({"setting": what, "value": value, "from": f"${name}" if given else "default",
+                     "variables": f"${name}"})
+    return rows
+
+
 @cli.command("config")
 @warehouse_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def config_cmd(warehouse, fmt) -> None:
     """Every setting in effect, and where it came from (the command line, an environment
-    variable, the default); the paths derived from them. Reads no warehouse.
+    variable, featurehouse.toml, the default): the warehouse's settings and the paths derived
+    from them, what the nightly and inbox DAGs and `fetch` read from featurehouse.toml
+    ($FEATUREHOUSE_CONFIG), and the variables read nowhere else. Reads no warehouse; exits 1,
+    after showing the rest, when featurehouse.toml has a mistake.
 
     Every environment variable featurehouse reads is in docs/cli.md#settings."""
+    from .sources import plan
+
     settings = Settings.from_env(warehouse=warehouse)
     rows = settings.described({"warehouse": warehouse})
+    problem = None
+    try:
+        rows += plan.described()
+    except plan.ConfigError as exc:
+        problem = str(exc)
+    rows += _other_variables()
     if fmt == "json":
         _print_json(rows)
-        return
-    _print_rows(["setting", "value", "from", "variables"], [tuple(r.values()) for r in rows], "table",
-                max_rows=100)
+    else:
+        _print_rows(["setting", "value", "from", "variables"], [tuple(r.values()) for r in rows], "table",
+                    max_rows=200)
+    if problem:
+        raise click.ClickException(problem)
 
 
 @cli.command("report")

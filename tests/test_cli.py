@@ -18,7 +18,8 @@ from pipeline.cli import cli
 from tests.conftest import FIXTURES, query
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def fh(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -366,3 +367,33 @@ def test_ingest_and_status_give_one_duration(tmp_path):
     out = json.loads(fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress", "--format", "json").stdout)
     (row,) = json.loads(fh("status", "--warehouse", str(wh), "--format", "json").stdout)
     assert abs(row["seconds"] - out["seconds"]) < 0.25, (row["seconds"], out["seconds"])
+
+
+def test_config_shows_what_the_dags_and_fetch_read_and_every_variable(tmp_path):
+    """Issue 45 review: `featurehouse config` listed the warehouse's settings only; the nightly's
+    featurehouse.toml values ($FEATUREHOUSE_CONFIG, [fetch], NEURONPEDIA_*) and the variables read
+    where they are used were nowhere. Every variable the program reads is now a row (with where its
+    value came from), a secret is never printed, and a mistake in the toml exits 1 after the rest."""
+    toml = tmp_path / "fh.toml"
+    toml.write_text((ROOT / "featurehouse.toml").read_text().replace("chunk_size = 500", "chunk_size = 250"))
+    env = {"FEATUREHOUSE_CONFIG": str(toml), "FEATUREHOUSE_MAX_FAILED_FRACTION": "0.2",
+           "NEURONPEDIA_API_KEY": "sk-very-secret", "NEURONPEDIA_BASE_URL": "http://127.0.0.1:9/",
+           "FEATUREHOUSE_DUCKDB_MEMORY": "3GB"}
+    proc = fh("config", "--warehouse", str(tmp_path / "w"), "--format", "json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "sk-very-secret" not in proc.stdout
+    rows = {r["setting"]: (r["value"], r["from"]) for r in json.loads(proc.stdout)}
+    assert rows["config file"] == (str(toml), "$FEATUREHOUSE_CONFIG")
+    assert rows["[fetch] chunk_size"] == ("250", "fh.toml") and rows["[fetch] concurrency"] == ("4", "fh.toml")
+    assert rows["[fetch] max_failed_fraction"] == ("0.2", "$FEATUREHOUSE_MAX_FAILED_FRACTION")
+    assert rows["[neuronpedia] base_url"] == ("http://127.0.0.1:9", "$NEURONPEDIA_BASE_URL")
+    assert rows["api_key"] == ("***", "$NEURONPEDIA_API_KEY") and rows["duckdb_memory"] == ("3GB", "$FEATUREHOUSE_DUCKDB_MEMORY")
+    assert rows["[[sources]]"][0] == "gpt-oss-20b/11-resid-post-aa (1,002 indices)"
+    used = set(subprocess.run(  # every variable the program reads (not the Docker deployment's own)
+        ["grep", "-rhoE", r"(FEATUREHOUSE|NEURONPEDIA)_[A-Z0-9_]*[A-Z0-9]", "pipeline", "dags", "--include=*.py"],
+        cwd=ROOT, capture_output=True, text=True).stdout.split()) - {"FEATUREHOUSE_MAX"}
+    shown = " ".join(r["variables"] for r in json.loads(proc.stdout))
+    assert sorted(v for v in used if f"${v}" not in shown) == []
+    toml.write_text(toml.read_text().replace("chunk_size = 250", "chunk_sise = 250"))
+    broken = fh("config", "--warehouse", str(tmp_path / "w"), env=env)
+    assert broken.returncode == 1 and "chunk_sise" in broken.stderr and "batch_bytes" in broken.stdout

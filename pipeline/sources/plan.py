@@ -439,6 +439,47 @@ def load_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None 
         raise ConfigError(f"{config_path}: {exc}") from None
 
 
+#: A ``featurehouse.toml`` key's field of :class:`Plan`, where the name differs.
+_PLAN_FIELD = {("schedule", "cron"): "schedule", ("inbox", "settle_seconds"): "inbox_settle_seconds",
+               ("inbox", "keep_days"): "inbox_keep_days"}
+
+
+def described(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """What ``featurehouse config`` shows of ``featurehouse.toml``: the file and where its path came
+    from, then every key of every section in effect (``[fetch] max_failed_fraction``...), from its
+    variable, the file or the default, the sources it names, and the variables only the
+    environment sets. Raises :class:`ConfigError` as :func:`load_plan` does."""
+    env = os.environ if env is None else env
+    rows = [{"setting": "config file", "value": str(Path(path or env.get("FEATUREHOUSE_CONFIG") or DEFAULT_CONFIG)),
+             "from": "command line" if path else "$FEATUREHOUSE_CONFIG" if env.get("FEATUREHOUSE_CONFIG") else "default",
+             "variables": "$FEATUREHOUSE_CONFIG"}]
+    config_path, values, given = _load(path, env)
+    plan = load_plan(path, env)
+    rows[0]["value"] = str(config_path)
+    for section, sub in _schema()["properties"].items():
+        for key, rule in sub.get("properties", {}).items():
+            name = rule.get("x-env")
+            in_file = key in values.get(section, {}) and (section, key) not in given
+            if section == "paths" or hasattr(plan, _PLAN_FIELD.get((section, key), key)):
+                value = getattr(plan, _PLAN_FIELD.get((section, key), key))  # as the DAGs use it
+            else:  # [notify]: no default, shown as written
+                value = values.get(section, {}).get(key, "")
+            rows.append({"setting": f"[{section}] {key}", "value": "" if value is None else str(value),
+                         "from": f"${given[(section, key)]}" if (section, key) in given
+                         else config_path.name if in_file else "default",
+                         "variables": f"${name}" if name else ""})
+    rows.append({"setting": "[[sources]]", "value": "; ".join(
+        f"{s.model}/{s.source} " + ("(exports)" if s.via == "exports" else f"({s.n_indices:,} indices)")
+        for s in plan.sources), "from": config_path.name if plan.sources else "default", "variables": ""})
+    rows.append({"setting": "api_slots", "value": str(plan.parallel_fetches),
+                 "from": "$FEATUREHOUSE_API_SLOTS" if (env.get("FEATUREHOUSE_API_SLOTS") or "").strip() else "default",
+                 "variables": "$FEATUREHOUSE_API_SLOTS"})
+    rows.append({"setting": "shared_budget", "value": "yes" if plan.shared_budget else "no",
+                 "from": "$FEATUREHOUSE_FETCH_BUDGET" if (env.get("FEATUREHOUSE_FETCH_BUDGET") or "").strip()
+                 else "default", "variables": "$FEATUREHOUSE_FETCH_BUDGET"})
+    return rows
+
+
 def load_inbox_plan(path: str | os.PathLike | None = None, env: dict[str, str] | None = None) -> InboxPlan:
     """What the inbox DAG needs: ``[paths]`` and ``[inbox]`` (checked, with their overrides).
     The nightly's sections are not read, so a mistake there does not stop the inbox."""
