@@ -48,7 +48,9 @@ SUBJECT = ("featurehouse: {{ dag.dag_id }} failed{% if ti is defined %} in task 
 BODY = """<p>The DAG run <b>{{ run_id }}</b> of <b>{{ dag.dag_id }}</b> failed{% if reason is defined and reason %} ({{ reason }}){% endif %}.</p>
 {% if ti is defined %}<p>Task <b>{{ ti.task_id }}</b>{% if ti.map_index is not none and ti.map_index >= 0 %}[{{ ti.map_index }}]{% endif %},
 try {{ ti.try_number }}: <a href="{{ ti.log_url }}">its log</a>.</p>{% endif %}
-<p>What the run loaded and why it is not PASS: <code>featurehouse status</code> and the run's report.</p>"""
+{% if featurehouse_run_id is defined %}<p>Its run in the warehouse: <b>{{ featurehouse_run_id }}</b>. What it loaded and why it is
+not PASS: <code>featurehouse status</code> and <code>featurehouse report --run {{ featurehouse_run_id }}</code>.</p>
+{% else %}<p>What the run loaded and why it is not PASS: <code>featurehouse status</code> and the run's report.</p>{% endif %}"""
 
 
 def run_key(context: dict):
@@ -127,6 +129,17 @@ def failure_notifier(config: dict):
 
         def get_template_env(self, dag=None):
             return super().get_template_env(dag=dag if hasattr(dag, "get_template_env") else None)
+
+        def render_template_fields(self, context, jinja_env=None):
+            """The warehouse's run id beside Airflow's (``featurehouse status`` and the report
+            name runs by it): the one the DAG's tasks give their runs."""
+            try:
+                from pipeline.sources.plan import run_id_for
+
+                context["featurehouse_run_id"] = run_id_for(run_key(context), context["dag"].dag_id)
+            except Exception:  # noqa: BLE001 - a mail without it beats no mail
+                pass
+            super().render_template_fields(context, jinja_env)
 
     return RunFailedNotifier(to=to, from_email=options.get("from_email"),
                              smtp_conn_id=options.get("smtp_conn_id", "smtp_default"),

@@ -146,7 +146,8 @@ def test_a_failed_run_mails_the_operator_from_a_bundle_that_finds_its_config_fro
     is; featurehouse.toml named by the Airflow Variable featurehouse_config (not
     $FEATUREHOUSE_CONFIG), its [notify] naming who is mailed; the SMTP server the connection
     smtp_default (AIRFLOW_CONN_SMTP_DEFAULT) names, on loopback. The inbox's drain fails (all it
-    found was rejected): one mail arrives, naming the DAG, the task and the run."""
+    found was rejected): one mail arrives, naming the DAG, the task and the run, Airflow's and the
+    warehouse's (review: only Airflow's was named)."""
     import json
 
     bundle = _bundle(tmp_path)
@@ -179,6 +180,8 @@ def test_a_failed_run_mails_the_operator_from_a_bundle_that_finds_its_config_fro
     assert mail["Subject"] == f"featurehouse: featurehouse_inbox failed in task drain (run {run['run_id']})"
     body = mail.get_body(("html",)).get_content()
     assert "featurehouse_inbox" in body and "<b>drain</b>" in body and "featurehouse status" in body
+    (warehouse_run,) = q(site / "wh", "SELECT run_id FROM runs")[0]  # the id status and reports name it by
+    assert f"featurehouse report --run {warehouse_run}" in body, body
 
 
 CLOSED_CONFIG = """
