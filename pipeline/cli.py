@@ -951,8 +951,14 @@ def search_cmd(query, warehouse, model, source, limit, fmt, refresh) -> None:
     """
     if not query.replace('"', " ").strip():
         raise click.UsageError("the search query is empty: give one or more words, or a \"quoted phrase\"")
+    from .outputs.find import QueryHoldsNoWord
+
     with _finder(warehouse, refresh) as finder:
-        _print_found(finder.search(query, model=model, source=source, limit=limit), fmt)
+        try:
+            found = finder.search(query, model=model, source=source, limit=limit)
+        except QueryHoldsNoWord as exc:
+            raise click.UsageError(str(exc)) from None
+        _print_found(found, fmt)
 
 
 @cli.command("similar")

@@ -500,6 +500,17 @@ def test_an_empty_search_is_a_usage_error(lake):
     assert r.returncode == 2 and "empty" in r.stderr
 
 
+def test_a_search_of_punctuation_alone_says_it_holds_no_word(lake):
+    """Issue 45 review: `search '&'` answered "(no match)", as if no description held it; the
+    index holds words only, so the query searched nothing. Said, as a usage error, on every road."""
+    for text in ("&", "&& -", '"&"'):
+        with pytest.raises(find.QueryHoldsNoWord, match="holds no word"):
+            find.search(lake[0], text)
+        r = _fh("search", text, "--warehouse", str(lake[0].warehouse))
+        assert r.returncode == 2 and "holds no word" in r.stderr, r.stderr
+    assert len(find.search(lake[0], "jokes & humour", limit=3)) == 3  # punctuation among words is fine
+
+
 def test_a_leftover_lock_and_two_rebuilds_at_once(lake, tmp_path):
     settings = _copy(lake, tmp_path)
     (settings.find_index_dir / ".lock").write_text("left by a builder that was killed")

@@ -98,6 +98,10 @@ class FindIndexStale(RuntimeError):
     "The find index is older than the warehouse and the caller asked for a fresh answer."
 
 
+class QueryHoldsNoWord(ValueError):
+    """A search query of punctuation alone: the index holds words (letters and digits) only."""
+
+
 class NoSuchFeature(LookupError):
     "The feature is not in the warehouse (or not in the find index yet)."
 
@@ -910,6 +914,10 @@ class Finder:
             raise ValueError("the search query is empty: give one or more words, or a \"quoted phrase\"")
         phrases = [p.strip() for p in re.findall(r'"([^"]*)"', query) if p.strip()]
         words = query.replace('"', " ")
+        if not self.conn.execute("SELECT len(list_filter(fts_main_docs.tokenize($q), w -> w <> ''))",
+                                 {"q": words}).fetchone()[0]:
+            raise QueryHoldsNoWord(f"the search query {query!r} holds no word (the index keeps letters and digits; "
+                             "punctuation is not searched): give a word of a description, or a \"quoted phrase\"")
         where, params = self._narrow(model, source)
         phrase = ""
         for i, p in enumerate(phrases):
