@@ -58,10 +58,17 @@ _LAZY = {
 
 __all__ = ["Settings", "RunSummary", "ingest", "refresh_stats", "Rejected", "parse_bytes",
            "Finder", "FindIndexStale", "search", "similar", "by_token", "show", "refresh_index", "warm_up"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # one version, pyproject.toml's, as installed (what --version says)
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            globals()[name] = version("featurehouse")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            globals()[name] = "unknown"
+        return globals()[name]
     try:
         module, attr = _LAZY[name]
     except KeyError:

@@ -82,6 +82,20 @@ def test_a_mistyped_table_is_named_with_the_nearest_and_booleans_are_csv_boolean
     assert fh("--version").stdout.startswith("featurehouse, version ")
 
 
+def test_the_version_is_past_the_last_release_the_changelog_names():
+    """Issue 45 review: `--version` said 0.1.0, the release the README calls the old single-file
+    warehouse (`migrate` moves "a 0.1 warehouse" over), so a user could not tell them apart."""
+    from packaging.version import Version
+
+    released = re.findall(r"^## (\d+\.\d+\.\d+) ", (ROOT / "CHANGELOG.md").read_text(), re.M)
+    unreleased = "## Unreleased" in (ROOT / "CHANGELOG.md").read_text()
+    shown = Version(fh("--version").stdout.split("version ")[1].strip())
+    assert released and shown > Version(released[0]) if unreleased else shown == Version(released[0]), (shown, released)
+    import pipeline  # what reports, publications and the catalog record is the same version
+
+    assert Version(pipeline.__version__) == shown
+
+
 def test_sql_table_is_the_default(warehouse):
     wh, _ = warehouse
     proc = fh("sql", "SELECT count(*) AS n_activations FROM activations", "--warehouse", str(wh))
