@@ -1207,8 +1207,9 @@ def ingest(
         summary.seconds = round(time.monotonic() - started, 3)
         runstate.finish_run(conn, settings, summary)
         try:
-            if report_after:
+            if report_after:  # the run's seconds (and runs.finished_at) include its report
                 write_run_report(conn, summary, settings)
+                summary.seconds = round(time.monotonic() - started, 3)
             _stop_if_signalled(came)  # one that came during the report stops the process too
         except BaseException as exc:  # a signal: the run is done and recorded
             exc.add_note(f"run {run_id} is recorded as succeeded (its data is loaded); its report may not be "
@@ -1232,7 +1233,7 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
             # rebuilt from every result stored, a cost that grows with every run
             path = report.write_report(conn, summary.run_id, settings=settings, data_docs_index=False)
         summary.report_path = str(path)
-        runstate.record_report(conn, settings, summary.run_id, path)
+        runstate.record_report(conn, settings, summary.run_id, path, ended_at=utcnow())
     except Exception as exc:
         if settings.catalog_url.startswith("postgres:") and (line := catalog_down.said(exc, settings.catalog_url)) is not None:
             log.error("could not write the report for run %s: %s; then `featurehouse report --run %s`",

@@ -381,6 +381,11 @@ def test_ingest_and_status_give_one_duration(tmp_path):
     out = json.loads(fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress", "--format", "json").stdout)
     (row,) = json.loads(fh("status", "--warehouse", str(wh), "--format", "json").stdout)
     assert abs(row["seconds"] - out["seconds"]) < 0.25, (row["seconds"], out["seconds"])
+    # and that duration is the whole run's, its report included (review: it ended before the report)
+    import datetime
+
+    written = datetime.datetime.fromtimestamp(Path(row["report_path"]).stat().st_mtime, datetime.timezone.utc)
+    assert datetime.datetime.fromisoformat(row["finished_at"]).replace(tzinfo=datetime.timezone.utc) >= written
 
 
 def test_config_shows_what_the_dags_and_fetch_read_and_every_variable(tmp_path):

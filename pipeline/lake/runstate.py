@@ -367,9 +367,15 @@ def end_run(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, at
     )
 
 
-def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path) -> None:
-    """Record where a run's HTML report was written (``runs.report_path``)."""
+def record_report(conn: duckdb.DuckDBPyConnection, settings: Settings, run_id: str, path: Path,
+                  ended_at: datetime | None = None) -> None:
+    """Record where a run's HTML report was written (``runs.report_path``); with ``ended_at``
+    (naive UTC), the run's ``finished_at`` moves on to it in the same commit (the run wrote its
+    report: its duration includes it, as the command's summary does)."""
     warehouse.transaction(
-        conn, settings, lambda c: warehouse.execute(c, "UPDATE runs SET report_path = ? WHERE run_id = ?", [str(path), run_id]),
+        conn, settings, lambda c: warehouse.execute(
+            c, "UPDATE runs SET report_path = ?, finished_at = CASE WHEN finished_at IS NULL OR ? IS NULL "
+               "THEN finished_at ELSE greatest(finished_at, ?) END WHERE run_id = ?",
+            [str(path), ended_at, ended_at, run_id]),
         message=f"run {run_id} report", extra={"run_id": run_id},
     )
