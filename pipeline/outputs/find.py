@@ -441,8 +441,7 @@ def _lake_rows_sql(keys: str | None) -> dict[str, str]:
                    FROM explanations {semi}
                    WHERE embedding IS NOT NULL AND len(embedding) = {EMBEDDING_DIM}
                          -- one loaded before embedding_not_zero quarantined it: no direction
-                         AND list_bool_or(list_transform(embedding, x -> x <> 0))
-                   ORDER BY model_id, source_id, feature_index, explanation_id""",
+                         AND list_bool_or(list_transform(embedding, x -> x <> 0))""",
         "tokens": f"""SELECT model_id, source_id, feature_index, data_source, token, max_activation,
                              n_active, n_peak_excerpts
                       FROM feature_token_stats {semi}""",
@@ -464,6 +463,10 @@ def _snapshot_time(lake: duckdb.DuckDBPyConnection, snapshot_id: int) -> str | N
     return _utc(got[0]) if got else None
 
 
+#: Embeddings turned into matrix rows at a time: 8,192 × 256 floats are 16 MB a copy.
+_EMB_CHUNK = 8192
+
+
 def _write_matrices(directory: Path, generation: str, lake: duckdb.DuckDBPyConnection, sql: str,
                     start_row: int, mode: str):
     """Append the embeddings ``sql`` selects to the generation's matrices from ``start_row`` on,
@@ -478,18 +481,24 @@ def _write_matrices(directory: Path, generation: str, lake: duckdb.DuckDBPyConne
         for f, width in ((f32, 4), (f64, 8)):
             f.truncate(start_row * EMBEDDING_DIM * width)  # a tail an interrupted refresh left
             f.seek(0, os.SEEK_END)
-        # DuckDB hands the lists over as one flat array per chunk (no Python object per value)
-        for batch in lake.execute(sql).fetch_record_batch(32768):
+        # DuckDB hands the lists over as one flat array per chunk (no Python object per value),
+        # in the order it reads them: an ORDER BY held every embedding in memory at once to sort
+        # it (+550 MB at 262,144); a row's place means nothing (emb_rows says whose it is, and
+        # similar breaks ties by fid)
+        for batch in lake.execute(sql).to_arrow_reader(_EMB_CHUNK):
             n = batch.num_rows
             m = batch.column("embedding").flatten().to_numpy(zero_copy_only=False).astype(np.float64).reshape(n, EMBEDDING_DIM)
             norms = np.linalg.norm(m, axis=1, keepdims=True)
             unit = np.divide(m, norms, out=np.zeros_like(m), where=norms > 0)
             f64.write(m.tobytes())
             f32.write(unit.astype(np.float32).tobytes())
+            # the keys copied out: an array imported from DuckDB keeps its whole batch alive,
+            # embeddings included (pyarrow frees a batch's buffers together), and keeping the
+            # batch's own key columns held every embedding read to the end (+640 MB at 262,144)
+            every = pa.array(np.arange(n))
             keys.append(pa.table({"row": pa.array(range(row, row + n), pa.int32()),
-                                  "model_id": batch.column("model_id"), "source_id": batch.column("source_id"),
-                                  "feature_index": batch.column("feature_index"),
-                                  "explanation_id": batch.column("explanation_id")}))
+                                  **{c: batch.column(c).take(every)
+                                     for c in ("model_id", "source_id", "feature_index", "explanation_id")}}))
             row += n
         for f in (f32, f64):
             f.flush()
@@ -914,8 +923,8 @@ class Finder:
             raise ValueError("the search query is empty: give one or more words, or a \"quoted phrase\"")
         phrases = [p.strip() for p in re.findall(r'"([^"]*)"', query) if p.strip()]
         words = query.replace('"', " ")
-        if not self.conn.execute("SELECT len(list_filter(fts_main_docs.tokenize($q), w -> w <> ''))",
-                                 {"q": words}).fetchone()[0]:
+        if not self.conn.execute(warehouse_mod.bind(  # bound as a literal: a parameter imports pandas
+                "SELECT len(list_filter(fts_main_docs.tokenize($q), w -> w <> ''))", {"q": words})).fetchone()[0]:
             raise QueryHoldsNoWord(f"the search query {query!r} holds no word (the index keeps letters and digits; "
                              "punctuation is not searched): give a word of a description, or a \"quoted phrase\"")
         where, params = self._narrow(model, source)
@@ -1039,7 +1048,7 @@ class Finder:
         for f, sc in zip(cf.tolist(), exact_rows.tolist()):
             if not math.isnan(sc) and (f not in exact or sc > exact[f]):
                 exact[f] = sc
-        ranked = sorted(exact.items(), key=lambda t: -t[1])[:k]
+        ranked = sorted(exact.items(), key=lambda t: (-t[1], t[0]))[:k]  # ties: by fid, not row order
         return self._rows_for(ranked, "embedding")
 
     def _allowed_fids(self, model: str | None, source: str | None, n_fids: int):
