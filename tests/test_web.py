@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">"
+ODD_MODEL, ODD_SOURCE = "lab/gpt 2%?", "3-res/16k α"
 
 
 def _port() -> int:
@@ -43,6 +44,9 @@ def served(tmp_path_factory):
     hostile["explanations"][0]["description"] = f"cpu {HOSTILE}"
     hostile["activations"][0]["tokens"][1] = HOSTILE
     pages.append(write(root / "in" / "4.json", orjson.dumps(hostile)))
+    # ids holding a slash, a percent sign, a question mark and a space (review: /f/MODEL/SOURCE/INDEX
+    # took the parts from the decoded path, so a%2Fb was two parts and the page a 404)
+    pages.append(write(root / "in" / "5.json", orjson.dumps(good_page(5, model=ODD_MODEL, source=ODD_SOURCE))))
     run_ingest(sorted((ROOT / "samples").iterdir()) + pages, settings)
     subprocess.run([sys.executable, "-m", "pipeline.cli", "index", "--warehouse", str(settings.warehouse)],
                    check=True, capture_output=True)
@@ -325,3 +329,28 @@ def test_a_failure_is_a_page_of_one_line_and_a_log_without_the_password(tmp_path
     assert "Sekr" not in r.text and "second line" not in r.text
     logged = "\n".join(rec.getMessage() + (str(rec.exc_info) if rec.exc_info else "") for rec in caplog.records)
     assert "Traceback" in logged and "fh:***@db:5432" in logged and "Sekr" not in logged, logged
+
+
+def test_ids_holding_a_slash_or_a_percent_sign_have_their_pages(served, page):
+    """A model or source id may hold '/', '%', '?', a space: each link quotes every part whole,
+    and the app takes each part whole from the raw path (the decoded one cut 'lab%2Fgpt' in two)."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import quote
+
+    settings, base = served
+    m, s = quote(ODD_MODEL, safe=""), quote(ODD_SOURCE, safe="")
+    for path, says in ((f"/f/{m}/{s}/5", "Feature "), (f"/f/{m}/{s}/5/history", ODD_MODEL),
+                       (f"/s/{m}/{s}", ODD_SOURCE)):
+        with urllib.request.urlopen(base + path, timeout=30) as r:
+            assert r.status == 200 and says in r.read().decode(), path
+    for path in (f"/f/{m}/{s}/x5", f"/f/{m}/5", f"/s/{m}", f"/f/{m}/{s}/5/extra"):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(base + path, timeout=30)
+        assert err.value.code == 404, path
+    page.goto(base + f"/s/{m}/{s}")  # the source page's feature links lead to the feature, in a browser
+    page.locator(f'a[href="/f/{m}/{s}/5"]').first.click()
+    page.wait_for_url(f"**/f/{m}/{s}/5")
+    assert page.locator("h1").inner_text().startswith("Feature ")
+    page.locator(f'a[href="/f/{m}/{s}/5/history"]').click()
+    assert ODD_MODEL in page.content()

@@ -169,9 +169,15 @@ class IndexInfo:
         return dict(self.__dict__)
 
 
-def parse_key(key: str) -> tuple[str, str, int]:
+def parse_key(key: str | tuple[str, str, int]) -> tuple[str, str, int]:
     """``MODEL/SOURCE/INDEX`` → its parts (a model id may itself hold a slash: the last two
-    parts are the source and the index)."""
+    parts are the source and the index). A ``(model, source, index)`` tuple is taken as it is
+    (a source id holding a slash can only be named so: the web app's URLs keep each part whole)."""
+    if isinstance(key, tuple):
+        model, source, index = key
+        if not model or not source or isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"{key!r} is not a feature key: (model, source, index)")
+        return str(model), str(source), index
     parts = key.strip().split("/")
     if len(parts) < 3 or not parts[-1].lstrip("-").isdigit() or not parts[-2] or not parts[0]:
         raise ValueError(f"{key!r} is not a feature key: write MODEL/SOURCE/INDEX, e.g. gpt-oss-20b/11-resid-post-aa/45698")
@@ -995,7 +1001,7 @@ class Finder:
             self._matrix = (m32, m64, rows["row"].astype(np.int64), rows["fid"].astype(np.int64), int(n_fids))
         return self._matrix
 
-    def _fid(self, key: str) -> int:
+    def _fid(self, key: str | tuple[str, str, int]) -> int:
         model, source, index = parse_key(key)
         found = self.conn.execute(warehouse_mod.bind("SELECT fid FROM features WHERE model_id = $m AND source_id = $s "
                                         "AND feature_index = $i", {"m": model, "s": source, "i": index})).fetchone()
@@ -1167,7 +1173,7 @@ class FeatureView:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def show(where: Settings | str | os.PathLike, key: str, *, n_excerpts: int = 5, n_neighbours: int = 5,
+def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *, n_excerpts: int = 5, n_neighbours: int = 5,
          context: int = 12, lake: duckdb.DuckDBPyConnection | None = None, finder: Finder | None = None) -> FeatureView:
     """A feature as a person reads it: its statistics per data source, its explanations, its
     top excerpts (``context`` tokens each side of the peak) and its nearest neighbours (from
@@ -1207,7 +1213,7 @@ def show(where: Settings | str | os.PathLike, key: str, *, n_excerpts: int = 5, 
     view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts)
     try:
         with (Finder(settings) if finder is None else contextlib.nullcontext(finder)) as finder:
-            view.neighbours = (finder.similar(view.key, limit=n_neighbours) if n_neighbours else
+            view.neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else
                                Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
                                      [], finder.note))
             view.note = finder.note

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +143,27 @@ def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     return {"id": sid, "time": t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else ""}
 
 
+def _parts(request, names: tuple[str, ...]) -> dict[str, Any] | None:
+    """The parts of ``/f/MODEL/SOURCE/INDEX[/history]`` or ``/s/MODEL/SOURCE``, each unquoted
+    from the raw path on its own (the decoded path would cut ``a%2Fb`` in two); None when the
+    address has not those parts (or an index that is not a number)."""
+    from urllib.parse import unquote_to_bytes
+
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    segments = [unquote_to_bytes(s).decode("utf-8", "replace") for s in raw.split(b"/")[2:]]
+    history = len(segments) == len(names) + 1 and segments[-1] == "history"
+    if history:
+        segments.pop()
+    if len(segments) != len(names) or not all(segments):
+        return None
+    got: dict[str, Any] = dict(zip(names, segments))
+    if "index" in got:
+        if not re.fullmatch(r"-?[0-9]{1,18}", got["index"]):
+            return None
+        got["index"] = int(got["index"])
+    return got | ({"history": True} if history else {})
+
+
 def make_app(where: Settings | str | os.PathLike, host: str | None = None):
     """The Starlette application over the warehouse at ``where``; ``host``: the address it listens
     on, besides loopback's names (requests naming another host are refused)."""
@@ -237,7 +259,11 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
 
     def feature(request: Request):
         t0 = time.perf_counter()
-        p = request.path_params
+        p = _parts(request, ("model", "source", "index"))
+        if p is None:
+            return page("error.html.j2", status=404, message="a feature's address is /f/MODEL/SOURCE/INDEX", _t0=t0)
+        if p.pop("history", False):
+            return feature_history(p, t0)
         key = f"{p['model']}/{p['source']}/{p['index']}"
         args = [p["model"], p["source"], int(p["index"])]
         lake = _lake(settings).conn
@@ -246,7 +272,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
                 if state.finder is None:
                     with contextlib.suppress(find.FindIndexMissing, PermissionError):
                         state.finder = find.Finder(settings)
-                view = find.show(settings, key, n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder)
+                view = find.show(settings, tuple(args), n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder)
                 captures = _rows(lake, "SELECT table_name, captured_at, run_id FROM feature_captures WHERE model_id = ? "
                                        "AND source_id = ? AND feature_index = ? ORDER BY table_name", args)
                 hist = _rows(lake, """SELECT least(9, floor(max_value * 10 / m))::INT AS bin, count(*) AS n
@@ -264,9 +290,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         return page("feature.html.j2", view=view, key=key, model=p["model"], source=p["source"], index=p["index"],
                     top=top, captures=captures, bins=bins, _t0=t0)
 
-    def feature_history(request: Request):
-        t0 = time.perf_counter()
-        p = request.path_params
+    def feature_history(p: dict[str, Any], t0: float):
         from ..lake.history import FeatureKey
         from ..lake.history import feature_history as versions_of
 
@@ -281,7 +305,9 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
 
     def source_page(request: Request):
         t0 = time.perf_counter()
-        p = request.path_params
+        p = _parts(request, ("model", "source"))
+        if p is None or p.get("history"):
+            return page("error.html.j2", status=404, message="a source's address is /s/MODEL/SOURCE", _t0=t0)
         sort = request.query_params.get("sort", "index")
         order = SORTS.get(sort, SORTS["index"])
         try:
@@ -481,8 +507,9 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
 
     routes = [
         Route("/", home), Route("/search", home), Route("/by-token", by_token),
-        Route("/f/{model}/{source}/{index:int}", feature), Route("/f/{model}/{source}/{index:int}/history", feature_history),
-        Route("/s/{model}/{source}", source_page),
+        # every part of a feature's or source's address whole, as its link quoted it (%2F and all):
+        # a model or source id may hold a slash
+        Route("/f/{rest:path}", feature), Route("/s/{rest:path}", source_page),
         Route("/runs", runs), Route("/runs/{run_id}/quarantine", quarantine),
         Route("/sql", sql), Route("/sql.{fmt}", sql_download),
     ]
