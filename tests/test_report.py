@@ -122,7 +122,7 @@ def test_expectations_section_shows_the_failed_check(seed_run, expected):
     row = re.search(r'<tr class="failed" data-expectation="activations.tokens_values_same_length">(.*?)</tr>', page, re.S)
     assert row, "the failed expectation is not marked failed"
     n_seen = expected["n_activations"] + expected["n_quarantined"]
-    assert f"{expected['n_quarantined']} <span class=\"muted small\">/ {n_seen}</span>" in row.group(1)
+    assert f"{expected['n_quarantined']} <span class=\"of\">of {n_seen}</span>" in row.group(1)
     assert f"{100 * expected['n_quarantined'] / n_seen:.2f}%" in row.group(1)
     assert expected["bad"][0][0] in row.group(1)
     assert page.count('class="failed"') == 1
@@ -136,7 +136,8 @@ def test_verdict_is_warn_with_its_rule(seed_run):
     page = path.read_text()
     assert '<div class="verdict WARN" id="verdict">' in page
     assert "Decided by rule 5" in page
-    assert re.search(r"1 of 2 input\(s\) rejected, 1 record\(s\) quarantined, 1 of \d+ expectation result\(s\) failed", page)
+    assert re.search(r"1 of 2 input\(s\) rejected, 1 of \d+ record\(s\) quarantined, 1 of \d+ expectation result\(s\) failed",
+                     page)
     for _, cond in VERDICT_RULES:
         assert cond in html.unescape(page)
 
@@ -618,7 +619,9 @@ def test_a_control_character_in_a_description_does_not_abort_the_report(tmp_path
 def test_a_warn_says_each_count_out_of_what():
     """Issue 45: a night that lost URLs said "50 URL(s) failed" with no "of 100", the same words
     as one quarantined record."""
-    v = verdict({"status": "succeeded", "n_received": 60, "n_loaded": 60, "n_fetch_failed": 40,
-                 "n_quarantined": 1, "n_expectations": 30, "n_expectations_failed": 2})
+    v = verdict({"status": "succeeded", "n_received": 60, "n_loaded": 60, "n_fetch_failed": 40, "n_features": 60,
+                 "n_activations": 500, "n_explanations": 59, "n_quarantined": 1, "n_expectations": 30,
+                 "n_expectations_failed": 2})
     assert v.level == "WARN"
-    assert v.reason == "1 record(s) quarantined, 2 of 30 expectation result(s) failed, 40 of 100 URL(s) failed to fetch"
+    assert v.reason == ("1 of 620 record(s) quarantined, 2 of 30 expectation result(s) failed, "
+                        "40 of 100 URL(s) failed to fetch")
