@@ -413,17 +413,6 @@ _STATUS_NARROW = ("run_id", "verdict", "status", "why", "loaded", "rejected", "f
 _WHY_MIN = 24
 
 
-def _out_of(run: dict) -> dict[str, int]:
-    """What each failure count of a run is out of (as its verdict counts them): rejected inputs of
-    the inputs not already landed, lost URLs of the URLs asked for, failed expectation results of
-    all, quarantined records of every record read."""
-    n = {k: int(run.get(k) or 0) for k in ("n_received", "n_duplicates", "n_fetch_failed", "n_expectations",
-                                           "n_features", "n_activations", "n_explanations", "n_quarantined")}
-    return {"n_rejected": n["n_received"] - n["n_duplicates"], "n_fetch_failed": n["n_fetch_failed"] + n["n_received"],
-            "n_expectations_failed": n["n_expectations"],
-            "n_quarantined": n["n_features"] + n["n_activations"] + n["n_explanations"] + n["n_quarantined"]}
-
-
 def _status_cell(run: dict, key: str):
     if key == "verdict":
         return run["verdict"].level
@@ -433,7 +422,9 @@ def _status_cell(run: dict, key: str):
         return round(run[key], 1)
     if key == "started_at" and run[key] is not None:
         return run[key].replace(microsecond=0)
-    of = _out_of(run).get(key)
+    from .outputs.report import out_of  # (status imports report already: its verdict)
+
+    of = out_of(run).get(key)
     if of is not None:  # a failure count says what it is out of: 50 of 100 URLs is not 1 of 40 records
         return f"{run[key] or 0:,} of {of:,}" if run[key] else "0"
     return run[key]

@@ -67,7 +67,7 @@ def test_a_part_that_saw_only_duplicates_adds_its_counts_and_keeps_the_nights_ve
     assert {k: run[k] for k in COUNTS.split(", ")} == {
         "status": "succeeded", "n_received": 30, "n_duplicates": 10, "n_loaded": 20, "n_rejected": 0,
         "n_features": 20, "n_quarantined": 1}
-    assert run["verdict"].level == "WARN" and "1 record(s) quarantined" in run["verdict"].reason
+    assert run["verdict"].level == "WARN" and "1 of 100 record(s) quarantined" in run["verdict"].reason, run["verdict"]
     assert query(settings, "SELECT count(*) FROM run_inputs WHERE run_id = 'night-2'") == [(30,)]
 
 
