@@ -715,13 +715,20 @@ def _record_failures(conn, settings: Settings, window: str, run_id: str, failure
 
     def record(conn) -> None:
         conn.execute("DELETE FROM fetch_failures WHERE run_id = ?", [run_id])
-        if failures:
-            conn.executemany(
-                'INSERT INTO fetch_failures (run_id, "window", url, feature_key, status, attempts, '
-                "last_error, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                [[run_id, window, e["url"], e["key"], e["status"], e.get("attempts"), e.get("last_error"),
-                  now] for e in failures],
-            )
+        if failures:  # one statement from an Arrow table: executemany took 2.5 s for 970 rows
+            import pyarrow as pa
+
+            rows = pa.table({"url": [e["url"] for e in failures], "feature_key": [e["key"] for e in failures],
+                             "status": [e["status"] for e in failures],
+                             "attempts": pa.array([e.get("attempts") for e in failures], pa.int32()),
+                             "last_error": pa.array([e.get("last_error") for e in failures], pa.string())})
+            conn.register("_fetch_failures", rows)
+            try:
+                conn.execute('INSERT INTO fetch_failures (run_id, "window", url, feature_key, status, attempts, '
+                             "last_error, recorded_at) SELECT ?, ?, url, feature_key, status, attempts, last_error, ? "
+                             "FROM _fetch_failures", [run_id, window, now])
+            finally:
+                conn.unregister("_fetch_failures")
 
     warehouse.transaction(conn, settings, record, message=f"run {run_id} fetch failures", extra={"run_id": run_id})
 
