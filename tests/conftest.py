@@ -29,6 +29,7 @@ META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quaranti
 #: orders the groups xdist hands out, longest first, so the two workers end together. A module
 #: not listed counts half a second a test; a test marked ``heavy`` counts its own seconds.
 MODULE_SECONDS = {
+    "test_docs_examples": 180, "test_report_layout": 45,
     "test_airflow_dags_test": 240, "test_sql_readonly": 160, "test_golden": 80, "test_ingest": 75,
     "test_snapshots": 75, "test_warehouse_portable": 75, "test_find": 60, "test_timezones": 55,
     "test_inbox": 50, "test_report": 50, "test_cli": 50, "test_sql_sandbox": 45, "test_fetch": 45,
