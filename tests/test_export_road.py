@@ -12,8 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
 import orjson
 import pytest
+from hypothesis import strategies as st
 
 from tests.conftest import query, run_ingest
 from tests.fake_neuronpedia import build_bucket, small_pages
@@ -591,3 +593,223 @@ def test_a_boolean_field_holding_text_or_a_number_has_one_outcome_on_every_road(
         run_ingest([tmp_path / road / "in"], settings)
         seen[road] = query(settings.warehouse, "SELECT feature_index, has_vector FROM features ORDER BY 1")
     assert seen["gzip"] == seen["plain"] == [(0, False), (1, False), (2, None), (3, False)]
+
+
+#: Two unknown fields one name in two cases, on different lines of one batch, and where each
+#: spelling is: (file, line) pairs, the second file being another activations batch.
+_CASE_COLLISIONS = {
+    "upper case first, one file": [("Foo", 0, 1), ("foo", 0, 4)],
+    "lower case first, one file": [("foo", 0, 1), ("Foo", 0, 4)],
+    "three spellings, one file": [("FOO", 0, 2), ("foo", 0, 4), ("Foo", 0, 7)],
+    "one spelling a file": [("foo", 0, 1), ("Foo", 1, 2)],
+}
+
+
+@pytest.mark.parametrize("collision", list(_CASE_COLLISIONS))
+def test_unknown_fields_one_name_in_two_cases_are_kept_on_every_road(tmp_path, collision):
+    """JSON keys are case-sensitive, and a field no column names is kept in ``extra`` as spelled
+    (a page with "Foo" and "foo" keeps both). DuckDB's columns are one name in any case: the
+    gzip road made one spelling a column and lost the other's values from ``extra``, where the
+    plain road kept both."""
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    files = {n: list(_activation_lines(objects, n)) for n in (0, 1)}
+    expected = {}
+    for i, (name, batch, at) in enumerate(_CASE_COLLISIONS[collision]):
+        lines = files[batch][1]
+        row = orjson.loads(lines[at])
+        lines[at] = b'{"%s":%d,' % (name.encode(), i + 10) + lines[at][1:]
+        expected[row["id"]] = {name: i + 10}
+    for key, lines in files.values():
+        objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    seen = {}
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        summary = run_ingest([tmp_path / road / "in"], settings)
+        assert (summary.n_rejected, summary.n_quarantined, summary.n_activations) == (0, 0, 24), road
+        extras = {i: orjson.loads(extra) for i, extra in query(settings.warehouse,
+                                                                "SELECT activation_id, extra FROM activations")}
+        kept = {i: {k: v for k, v in extra.items() if k.lower() == "foo"} for i, extra in extras.items()}
+        assert {i: v for i, v in kept.items() if v} == expected, road
+        seen[road] = extras
+    assert seen["gzip"] == seen["plain"]
+
+
+def test_a_field_that_only_later_lines_carry_is_kept_on_every_road(tmp_path, monkeypatch):
+    """The gzip road takes an activation file's columns from its first lines
+    (``_ACTIVATION_KEY_LINES``, 3 here): a field first carried after them, or another spelling
+    of one of theirs, was lost from ``extra`` there, where the plain road kept it."""
+    from pipeline.config import Settings
+    from pipeline.stages import stage
+
+    monkeypatch.setattr(stage, "_ACTIVATION_KEY_LINES", 3)
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="b")
+    key, lines = _activation_lines(objects)
+    expected = {}
+    for at, name in ((1, "foo"), (5, "late"), (8, "Foo"), (10, "late")):
+        row = orjson.loads(lines[at])
+        lines[at] = b'{"%s":%d,' % (name.encode(), at) + lines[at][1:]
+        expected[row["id"]] = {name: at}
+    objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    seen = {}
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        summary = run_ingest([tmp_path / road / "in"], settings)
+        assert (summary.n_rejected, summary.n_quarantined, summary.n_activations) == (0, 0, 12), road
+        extras = {i: orjson.loads(extra) for i, extra in query(settings.warehouse,
+                                                                "SELECT activation_id, extra FROM activations")}
+        kept = {i: {k: v for k, v in extra.items() if k in ("foo", "Foo", "late")} for i, extra in extras.items()}
+        assert {i: v for i, v in kept.items() if v} == expected, road
+        assert all(extra["producer_note"] == "b" for extra in extras.values()), road  # every line's own field
+        seen[road] = extras
+    assert seen["gzip"] == seen["plain"]
+
+
+#: A key held twice by an object inside an export line: (the table, the line's change).
+_NESTED_REPEATS = {
+    "in an unknown field": ("activations", lambda ln: b'{"meta":{"k":1,"k":2},' + ln[1:]),
+    "in an object in a list": ("activations", lambda ln: b'{"meta":[1,{"k":1,"k":2}],' + ln[1:]),
+    "in a token": ("activations", lambda ln: ln.replace(b'"tokens":["', b'"tokens":[{"k":1,"k":2},"', 1)),
+    "in an explanation's scores": ("explanations", lambda ln: b'{"scores":{"k":1,"k":2},' + ln[1:]),
+}
+
+
+@pytest.mark.parametrize("where", list(_NESTED_REPEATS))
+def test_a_key_twice_in_an_object_inside_an_export_line_has_one_outcome_on_every_road(tmp_path, where):
+    """Only the line's own keys were checked: DuckDB kept both copies in the JSON text it stored
+    (``{"k":1,"k":2}``), the plain road the last (``{"k":2}``). Such a line is no record on
+    every road, as one whose own key is written twice; the rest of its file loads."""
+    from pipeline.config import Settings
+
+    table, change = _NESTED_REPEATS[where]
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key = next(k for k in objects if f"/{table}/batch-0" in k)
+    lines = gzip.decompress(objects[key]).splitlines()
+    lines[2] = change(lines[2])
+    objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    id_column = {"activations": "activation_id", "explanations": "explanation_id"}[table]
+    seen = {}
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        summary = run_ingest([tmp_path / road / "in"], settings)
+        assert summary.n_rejected == 0, (road, summary.rejected)
+        [(record_key, check, detail)] = query(settings.warehouse, "SELECT record_key, check_name, detail FROM quarantine")
+        assert (record_key, check) == (orjson.loads(lines[2])["id"], "export_line_is_a_record"), road
+        assert "line 3 of " in detail and "holds the key 'k' twice (in " in detail, detail
+        loaded = query(settings.warehouse, f"SELECT {id_column}, extra FROM {table} ORDER BY 1")
+        assert len(loaded) == len(lines) - 1, road
+        seen[road] = (loaded, detail.split(": ", 1)[1])
+    assert seen["gzip"] == seen["plain"]
+
+
+#: A key held twice by an object the page schema does not describe, by where it is.
+_PAGE_REPEATS = {"in the model": ("model", "cfg"), "in an explanation's scores": ("explanations", 0, "scores"),
+                 "in a token": ("activations", 1, "tokens", 2)}
+
+
+@pytest.mark.parametrize("where", list(_PAGE_REPEATS))
+def test_a_key_twice_in_an_object_deep_in_a_page_refuses_it_on_every_road(tmp_path, where):
+    """The page check looked for a repeat only in the objects the schema describes: deeper, a
+    one-line page (DuckDB's road) stored both copies in the JSON text, a pretty-printed or
+    gzip one (the Python road) the last, and flight text refused it. Now every road refuses it,
+    as docs/bad-input.md says of an object holding a key twice."""
+    from pipeline.config import Settings
+    from tests.conftest import good_page, write
+    from tests.formats import to_api_json, to_flight, to_html
+
+    page = good_page(3, source="deep-src")
+    *parents, last = _PAGE_REPEATS[where]
+    node = page
+    for step in parents:
+        node = node[step]
+    node[last] = "@REPEAT@"
+    dup = (b'"@REPEAT@"', b'{"k": 1, "k": 2}')
+    one_line = to_api_json(page).replace(*dup)
+    inputs = {"one_line": one_line, "pretty": json.dumps(json.loads(to_api_json(page)), indent=2).encode().replace(*dup),
+              "gzip": gzip.compress(one_line, mtime=0),
+              "jsonl": to_api_json(good_page(5, source="deep-src")) + b"\n" + one_line + b"\n"}
+    flight = to_flight(page, outline=0.0)
+    assert flight.count(b'"@REPEAT@"') == 1
+    flight = flight.replace(b'"@REPEAT@"', b'{"k":1,"k":2}')
+    inputs |= {"flight": flight, "html": to_html(flight)}
+    paths = [write(tmp_path / "in" / f"{name}.json", data) for name, data in inputs.items()]
+    paths.append(write(tmp_path / "in" / "zz_good.json", to_api_json(good_page(6, source="deep-src"))))
+    settings = Settings(warehouse=tmp_path / "wh")
+    summary = run_ingest(paths, settings)
+    assert summary.status == "succeeded" and summary.n_rejected == len(inputs), summary.rejected
+    for rejected in summary.rejected:
+        assert "holds the key 'k' twice" in rejected["reason"], rejected
+    assert query(settings.warehouse, "SELECT feature_index FROM features") == [(6,)]
+
+
+class _Members(list):
+    """An object's members as written, a key perhaps twice (for ``_json_text``)."""
+
+
+def _json_text(v, gap: str) -> str:
+    if isinstance(v, _Members):
+        return "{" + gap + ("," + gap).join(f"{json.dumps(k)}{gap}:{gap}{_json_text(x, gap)}" for k, x in v) + gap + "}"
+    if isinstance(v, list):
+        return "[" + gap + ("," + gap).join(_json_text(x, gap) for x in v) + gap + "]"
+    return "NaN" if v == "NaN!" else json.dumps(v)
+
+
+def _held_twice(text: str) -> bool:
+    class Twice(Exception):
+        pass
+
+    def once(pairs):
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise Twice
+        return dict(pairs)
+    try:
+        json.loads(text, object_pairs_hook=once)
+    except Twice:
+        return True
+    return False
+
+
+#: Scalars and keys that look like JSON's punctuation: '{"k": 1}' as a string holds no object.
+_ODD_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(alphabet='a{}":,\\ [', max_size=4),
+                         st.just("NaN!"))
+_ODD_VALUES = st.recursive(
+    _ODD_SCALARS, lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(st.tuples(st.sampled_from(["k", "{", '"', 'x":', ", ", ""]), inner), max_size=4).map(_Members)),
+    max_leaves=14)
+
+
+@pytest.mark.parametrize("gap", ["", " ", "\n  "])
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(value=_ODD_VALUES)
+def test_a_key_twice_is_found_in_any_object_however_deep(gap, value):
+    """``parse.repeated_key`` counts the objects in the text to stop early (a string ending in
+    "{" or holding '{"' looks like one); its verdict is Python's json's, whatever the strings
+    hold, wherever the object is (in a list that begins with a scalar too), and on the view of
+    a text simdjson refuses (NaN: Python's json reads it)."""
+    from pipeline.stages.parse import json_view, repeated_key
+
+    text = _json_text(value, gap)
+    data = text.encode()
+    assert (repeated_key(json_view(data), data) is not None) == _held_twice(text), text
+
+
+@pytest.mark.parametrize("text, twice", [
+    ('{"a": {"k": 1, "k": 2}}', True),
+    ('[{"a": [{"b": {"k": 1, "k": 2}}]}]', True),  # in an item of a list in an item of a list
+    ('{"t": ["{", ":x", {"k": 1, "k": 2}]}', True),  # in a list that begins with a string ending in "{"
+    ('{"t": [1.5, 2, {"k": 1, "k": 2}]}', True),  # ... or with numbers
+    ('{"t": ["{\\"k\\": 1, \\"k\\": 2}"], "u": "{\\"", "v": {"w": "x{"}}', False),  # text, no object
+    ('{"x": NaN, "m": [{"k": 1, "k": 2}]}', True),  # simdjson refuses NaN: Python's json reads it
+    ('{"k\\"": 1, "k\\"": 2}', True),
+    ('{"a": {}, "b": [{}, {"k": 1, "K": 2}]}', False),  # keys are case-sensitive
+])
+def test_a_key_twice_is_found_where_the_count_of_objects_could_mislead(text, twice):
+    from pipeline.stages.parse import json_view, repeated_key
+
+    data = text.encode()
+    assert (repeated_key(json_view(data), data) is not None) is twice

@@ -38,7 +38,16 @@ import orjson
 import pyarrow as pa
 import simdjson
 
-from .parse import Rejected, check_page, json_text, json_view, open_gzip
+from ..lake.landing import open_landed
+from .parse import (
+    Rejected,
+    check_page,
+    gunzip_measure,
+    json_text,
+    json_view,
+    open_gzip,
+    repeated_key,
+)
 from .records import (
     ACTIVATION_COLUMN_FIELDS,
     ACTIVATION_EXTRA_FIELDS,
@@ -166,16 +175,19 @@ def exact_activations(data: bytes) -> int | None:
     """The number of activations of a one-line page whose typed read by DuckDB gives what the
     Python road makes of it; None for a page it would not (the Python road reads it).
 
-    The page must pass the structural check both roads run (``parse.check_page``: else the
-    Python road refuses it, with the reason), and its typed fields hold what they say
+    The page must pass the structural check both roads run (``parse.check_page``, and no object
+    in it, at any depth, holding a key twice: ``parse.repeated_key``; else the Python road
+    refuses it, with the reason), and its typed fields hold what they say
     (``_exact_fields``): read_json turns ``"1.5"`` and ``true`` into numbers and ``"x"`` into
     null, where the Python road finds values that are not numbers. Costs a simdjson parse (~0.25 ms for a 280 KB page) and the
-    check (~0.4 ms), not a Python object per token or value.
+    checks (~0.4 ms, and ~0.3 ms for the keys), not a Python object per token or value.
     """
     try:
         page = json_view(data)
         check_page(page, "JSON input")
     except Rejected:
+        return None
+    if repeated_key(page, data) is not None:  # deeper than the schema looks: the Python road refuses it
         return None
     if type(page) is not simdjson.Object:
         # simdjson refused a number (an integer past 64 bits, 1e400, NaN): DuckDB would keep its
@@ -291,8 +303,9 @@ _EXPORT_TYPED = {table: _typed(fields) for table, fields in _EXPORT_COLUMNS.item
 
 class LineCheck:
     """Finds, in a stream of an export file's bytes, the lines DuckDB's typed read would take
-    otherwise than the Python road: objects that hold a key twice (read_json keeps the first,
-    Python the last; a page with one is refused) or whose typed fields do not hold what they say
+    otherwise than the Python road: objects that hold a key twice, or hold an object that does
+    (read_json keeps the first, or both in a JSON column's text, Python the last; a page with
+    one is refused) or whose typed fields do not hold what they say
     (``_exact_fields``). Their positions among the file's non-blank lines (from 1, as DuckDB's
     rows) are in ``inexact``: those lines take the Python road, one line at a time.
 
@@ -300,11 +313,18 @@ class LineCheck:
     so it costs a simdjson parse a line (~1 CPU-s a GB), not a second decompression. A line that
     is not JSON, or not an object, is left to the reading that follows (a bad line), as is one
     longer than ``_MAX_OBJECT``.
+
+    A line holding a field the read has no column for takes the Python road too, which keeps it
+    in ``extra``: in an activation file, one its first ``_ACTIVATION_KEY_LINES`` lines lack
+    (``_unknown_fields`` reads the columns from them), and any of ``avoid`` (``read_exports``:
+    another field's spelling in other case, "foo" beside "Foo").
     """
 
-    def __init__(self, table: str) -> None:
+    def __init__(self, table: str, avoid: frozenset[str] = frozenset()) -> None:
         self.typed = _EXPORT_TYPED[table]
         self._known = {k.lower(): k for k in _EXPORT_COLUMNS[table]}
+        self._avoid = avoid
+        self._window = _ACTIVATION_KEY_LINES if table == "activations" else None
         self._parser = simdjson.Parser()
         self.reset()
 
@@ -313,6 +333,7 @@ class LineCheck:
         self._pos = 0
         self._pending = b""
         self._too_long = False  # inside a line past _MAX_OBJECT: counted once, not parsed
+        self._columns = set(self._known.values())  # and the fields of the window's lines
 
     def feed(self, chunk: bytes) -> None:
         lines = (self._pending + chunk).split(b"\n") if self._pending else chunk.split(b"\n")
@@ -350,11 +371,24 @@ class LineCheck:
         try:
             if type(doc) is simdjson.Object:
                 keys = list(doc.keys())
-                if (len(keys) != len(set(keys)) or not _exact_fields(doc, self.typed)
-                        or not self._spelled_as_known(keys)):
+                if (not self._read_as_columns(keys) or len(keys) != len(set(keys))
+                        or not _exact_fields(doc, self.typed) or not self._spelled_as_known(keys)
+                        # an object in it (a memchr finds none in most lines) holding a key twice
+                        or (line.find(b"{", line.find(b"{") + 1) >= 0 and repeated_key(doc, line) is not None)):
                     self.inexact.append(self._pos)
         finally:
             del doc  # the parser is reused only once nothing refers to its last document
+
+    def _read_as_columns(self, keys: list[str]) -> bool:
+        """Whether DuckDB's read has a column for each of a line's fields (the class's doc)."""
+        if self._avoid and not self._avoid.isdisjoint(keys):
+            return False
+        if self._window is None:
+            return True
+        if self._pos <= self._window:
+            self._columns.update(keys)
+            return True
+        return self._columns.issuperset(keys)
 
     def _spelled_as_known(self, keys: list[str]) -> bool:
         """No key is a known field spelled in other case ("MaxValue"), nor two keys one name in
@@ -441,12 +475,20 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     that are JSON objects read again. A file with more than ``MAX_BAD_LINES`` bad lines, or one
     DuckDB cannot read even so, is refused whole.
     """
-    inexact = inexact or {}
+    inexact = dict(inexact or {})
     out = ExportRead()
     for table, known in _EXPORT_COLUMNS.items():
         group = files.get(table) or []
         # Fields the typed read does not know are read as JSON, for `extra`.
-        columns = {**known, **{k: "JSON" for k in _unknown_fields(conn, group, known)}}
+        unknown, others = _unknown_fields(conn, group, known)
+        columns = {**known, **{k: "JSON" for k in unknown}}
+        for sha, path, _ in group:
+            if sha in others:  # a field with no column of its own: its lines take the Python road
+                try:
+                    inexact[sha] = sorted({*inexact.get(sha, ()), *_lines_holding(table, path, others[sha])})
+                except Rejected as exc:  # never seen: the file was measured whole just before
+                    out.refused[sha] = str(exc)
+        group = [g for g in group if g[0] not in out.refused]
         parsed = _EXPORT_EMBEDDING if table == "explanations" else {}
         cols = ", ".join(f'"{k.replace(chr(34), chr(34) * 2)}" {v}' for k, v in {**columns, **parsed}.items())
         conn.execute(
@@ -489,36 +531,67 @@ _ACTIVATION_KEY_LINES = 10_000
 
 
 def _unknown_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path, int]],
-                    known: dict[str, str]) -> list[str]:
-    """The fields of the files' lines that ``known`` does not type, by name: one pass of
-    DuckDB's JSON reader over the lines' keys (no value is typed), so that a field only some
-    lines carry is kept too (activation files: their first ``_ACTIVATION_KEY_LINES`` lines)."""
+                    known: dict[str, str]) -> tuple[list[str], dict[str, frozenset[str]]]:
+    """The fields of the files' lines that ``known`` does not type, by name (read as columns),
+    and, by file, those of its fields that are spelled otherwise than their column.
+
+    DuckDB's column names are one name in any case: of the spellings of a field in several
+    cases ("Foo", "foo"; JSON keys are case-sensitive, and a page keeps both in ``extra``) the
+    first in sort order is the column, and a file's lines holding another take the Python road.
+    A field spelled as a known one in other case ("MaxValue") is no column: its lines take the
+    Python road already (``LineCheck``).
+
+    One pass of DuckDB's JSON reader over the lines' keys (no value is typed), so that a field
+    only some lines carry is kept too; of an activation file (they are the big ones), over its
+    first ``_ACTIVATION_KEY_LINES`` lines, and a later line holding a field they lack takes
+    the Python road (``LineCheck``).
+    """
     if not group:
-        return []
-    # Activation batches are the big ones (hundreds of MB): their keys are read from their
-    # first lines only (their producers write one column set a file).
-    limit = f"LIMIT {_ACTIVATION_KEY_LINES}" if "tokens" in known else ""
-    try:
-        found = conn.execute(
-            f"""SELECT list(DISTINCT k ORDER BY k) FROM (
-                   SELECT unnest(json_keys(json)) AS k FROM (
-                       SELECT json FROM read_json_objects($files, format = 'newline_delimited', compression = 'gzip',
-                                                          ignore_errors = true, maximum_object_size = $max) {limit}))
-               WHERE k NOT IN (SELECT unnest($known::VARCHAR[]))""",
-            {"files": [str(p) for _, p, _ in group], "max": _MAX_OBJECT,
-             "known": sorted(set(known) | PAGE_RELATIONS)}).fetchone()[0]
-    except (duckdb.InvalidInputException, duckdb.IOException):
-        return []  # the read that follows says what is wrong with the file
-    # DuckDB's column names are one name in any case: a field spelled as a known one in other
-    # case ("MaxValue"; its lines take the Python road, LineCheck) or as another field in
-    # other case is not a column of its own (CREATE TABLE would refuse the pair).
+        return [], {}
+    found = _file_fields(conn, group, known)
     taken = {k.lower() for k in set(known) | PAGE_RELATIONS}
-    unknown = []
-    for k in found or ():
+    columns: dict[str, str] = {}
+    for k in sorted({k for keys in found.values() for k in keys}):
         if k.lower() not in taken:
-            taken.add(k.lower())
-            unknown.append(k)
-    return unknown
+            columns.setdefault(k.lower(), k)
+    chosen = set(columns.values())
+    others = {sha: frozenset(k for k in keys if k.lower() in columns and k not in chosen) for sha, keys in found.items()}
+    return list(columns.values()), {sha: keys for sha, keys in others.items() if keys}
+
+
+def _file_fields(conn: duckdb.DuckDBPyConnection, group: list[tuple[str, Path, int]],
+                 known: dict[str, str]) -> dict[str, list[str]]:
+    """Each file's fields that ``known`` does not type (``_unknown_fields``); a file DuckDB
+    cannot read has none here (the read that follows says what is wrong with it)."""
+    params: dict[str, Any] = {"known": sorted(set(known) | PAGE_RELATIONS), "max": _MAX_OBJECT}
+    options = "format = 'newline_delimited', compression = 'gzip', ignore_errors = true, maximum_object_size = $max"
+    if "tokens" in known:  # an activation file: its first lines, each file's own
+        lines = " UNION ALL ".join(
+            f"(SELECT {i} AS f, json FROM read_json_objects($file{i}, {options}) WHERE json IS NOT NULL "
+            f"LIMIT {_ACTIVATION_KEY_LINES})" for i in range(len(group)))
+        params |= {f"file{i}": str(path) for i, (_, path, _) in enumerate(group)}
+    else:
+        lines = f"SELECT list_position($files, filename) - 1 AS f, json FROM read_json_objects($files, {options}, filename = true)"
+        params["files"] = [str(path) for _, path, _ in group]
+    try:
+        rows = conn.execute(
+            f"""SELECT f, list(DISTINCT k ORDER BY k) FROM (SELECT f, unnest(json_keys(json)) AS k FROM ({lines}))
+                WHERE k NOT IN (SELECT unnest($known::VARCHAR[])) GROUP BY f""", params).fetchall()
+    except (duckdb.InvalidInputException, duckdb.IOException):
+        if len(group) == 1:
+            return {}
+        return {sha: keys for one in group for sha, keys in _file_fields(conn, [one], known).items()}
+    return {group[f][0]: keys for f, keys in rows}
+
+
+def _lines_holding(table: str, path: Path, fields: frozenset[str]) -> list[int]:
+    """The positions of the lines of export file ``path`` that DuckDB's read would take
+    otherwise than the Python road, when ``fields`` have no column (``LineCheck``): one more
+    stream of the file, paid only by a file holding one."""
+    check = LineCheck(table, avoid=fields)
+    with open_landed(path) as stream:
+        gunzip_measure(stream, 1 << 62, lines=check)
+    return check.finish()
 
 
 _GZIP_HINT = ("; DuckDB refuses bytes after the last gzip member, such as zero padding: "
