@@ -186,6 +186,7 @@ class _Batch:
         self.exports: dict[str, list[Landed]] = {}  # gzip export rows by table, left for DuckDB
         self.export_lines: dict[str, int] = {}  # newlines in each export file, by digest
         self.export_inexact: dict[str, list[int]] = {}  # ... its lines for the Python road (stage.LineCheck)
+        self.export_fields: dict[str, frozenset[str]] = {}  # ... the fields of its lines the typed read lacks
         self.bad_lines: list[dict[str, Any]] = []  # export lines that are not JSON objects, to quarantine
         self.taken: set[str] = set()  # digests this batch reads
         self.reread: list[str] = []  # of those, landed before (--reprocess, a limit raised, a newer capture)
@@ -549,7 +550,7 @@ class _Run:
         memory: a line that is not a JSON object is quarantined and the rest of its file loads."""
         exports = stage.read_exports(
             self.conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
-                        for t, group in batch.exports.items()}, batch.export_inexact
+                        for t, group in batch.exports.items()}, batch.export_inexact, batch.export_fields
         )
         for table, group in batch.exports.items():
             for landed in group:
@@ -1029,6 +1030,7 @@ class _Run:
             batch.export_lines[landed.sha256] = lines
             if inexact := check.finish():
                 batch.export_inexact[landed.sha256] = inexact
+            batch.export_fields[landed.sha256] = check.fields
             batch.n_bytes += size
             if table == "activations":  # one row a line; a file is never split across batches
                 batch.n_activations += lines
