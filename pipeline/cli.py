@@ -606,11 +606,12 @@ def _at_time(ctx, param, value):
 @click.option("--license", "license_", default=None, help="The licence the dataset card states (e.g. cc-by-4.0).")
 @click.option("--include-private", is_flag=True,
               help="Keep the columns left out by default (input paths, hosts, errors) of the tables named.")
-@click.option("--dry-run", is_flag=True, help="Say what would be written, write nothing.")
+@click.option("--dry-run", is_flag=True, help="Say what would be written (to s3://: sent), write (send) nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout instead.")
 def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, include_private, dry_run, as_json) -> None:
     """Publish a snapshot of the warehouse into DEST: a DuckLake anyone attaches read-only with one
     line (over HTTP, S3 or in place) and a Hugging Face dataset of Parquet files with its card.
+    DEST is a folder or s3://bucket/prefix (the lake's S3 endpoint, region and AWS credentials).
 
     Publishing again into the same DEST sends only what changed: new data files, then the new
     catalog, which replaces the old one last (a reader of the old one keeps reading)."""
@@ -646,15 +647,26 @@ def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, inclu
         for sig, handler in before.items():
             signal.signal(sig, handler)
     if as_json:
-        _print_json({"dest": str(r.dest), "snapshot_id": r.snapshot_id, "snapshot_time": r.snapshot_time.isoformat(),
+        _print_json({"dest": r.where, "snapshot_id": r.snapshot_id, "snapshot_time": r.snapshot_time.isoformat(),
                      "dry_run": r.dry_run, "formats": list(r.formats), "bytes_written": r.bytes_written,
                      "bytes_by_format": r.bytes_by_format,
                      "files_written": r.files_written, "seconds": round(r.seconds, 2),
-                     "tables": [vars(t) for t in r.tables], "open_with": r.lines()})
+                     "tables": [vars(t) for t in r.tables], "open_with": r.lines(),
+                     **({"s3": r.upload.as_dict()} if r.upload else {})})
         return
     verb = "would publish" if dry_run else "published"
-    click.echo(f"{verb} snapshot {r.snapshot_id} ({r.snapshot_time:%Y-%m-%d %H:%M:%S} UTC) into {r.dest}"
-               + ("" if dry_run else f": {r.files_written} file(s), {r.bytes_written:,} bytes in {r.seconds:.1f}s"))
+    up = r.upload
+    done = (f"{len(up.sent)} object(s), {up.bytes_sent:,} bytes sent ({up.kept} already there)" if up
+            else f"{r.files_written} file(s), {r.bytes_written:,} bytes")
+    click.echo(f"{verb} snapshot {r.snapshot_id} ({r.snapshot_time:%Y-%m-%d %H:%M:%S} UTC) into {r.where}"
+               + ("" if dry_run else f": {done} in {r.seconds:.1f}s"))
+    if up and dry_run:
+        click.echo(f"would send {len(up.sent)} object(s), {up.bytes_sent:,} bytes ({up.kept} already there)"
+                   + (f", remove {len(up.removed)} stale hf/ object(s)" if up.removed else "") + ":")
+        for key, size in up.sent[:20]:
+            click.echo(f"  {key} ({size:,} bytes)")
+        if len(up.sent) > 20:
+            click.echo(f"  ... and {len(up.sent) - 20} more (--json lists them all)")
     for t in r.tables:
         what = {"new": f"{t.rows:,} rows", "whole": f"{t.rows:,} rows, written whole ({t.why})",
                 "changes": f"{t.rows:,} rows: +{t.added:,} -{t.removed:,}", "unchanged": f"{t.rows:,} rows, unchanged"}[t.how]

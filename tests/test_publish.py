@@ -10,6 +10,7 @@ keeps reading."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import http.server
 import json
@@ -300,6 +301,347 @@ def test_the_printed_line_attaches_as_pasted_and_over_s3(built, tmp_path):
     assert got["activations"] == warehouse_rows(settings, "activations", snap)
 
 
+# --- DEST is s3://bucket/prefix ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3_server():
+    with moto_s3() as srv:
+        yield srv
+
+
+@pytest.fixture
+def on_s3(built, s3_server, monkeypatch):
+    """The built warehouse's settings with moto's endpoint (the lake's S3 settings), its
+    credentials in the environment, and a bucket of the test's own."""
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    _, settings, _ = built
+    return dataclasses.replace(settings, s3_endpoint=s3_server.endpoint), s3_server, s3_server.bucket()
+
+
+def _secret(s3) -> dict:
+    """The secret a reader has: the bucket's credentials and endpoint, nothing of featurehouse."""
+    return {"key": S3_ENV["AWS_ACCESS_KEY_ID"], "secret": S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            "endpoint": s3.endpoint.removeprefix("http://")}
+
+
+def _objects(s3, bucket: str, prefix: str) -> dict[str, tuple[str, object, int]]:
+    """Every object under the prefix, as listed: key relative to it → (ETag, LastModified, Size)."""
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return {o["Key"][len(prefix) + 1:]: (o["ETag"], o["LastModified"], o["Size"])
+            for page in pages for o in page.get("Contents", [])}
+
+
+def _printed_attach(r: pub.Published) -> str:
+    return next(x for x in r.lines() if x.startswith("ATTACH")).rstrip(";")
+
+
+@contextlib.contextmanager
+def _puts(settings: Settings):
+    """The keys of every PUT (and multipart completion) the publication's S3 client sends."""
+    from pipeline.lake import s3 as s3_mod
+
+    sent: list[str] = []
+    events = s3_mod.client(settings).meta.events
+
+    def seen(params, **kw):
+        sent.append(params["Key"])
+
+    for op in ("PutObject", "CompleteMultipartUpload"):
+        events.register(f"before-parameter-build.s3.{op}", seen, unique_id=f"test-puts-{op}")
+    try:
+        yield sent
+    finally:
+        for op in ("PutObject", "CompleteMultipartUpload"):
+            events.unregister(f"before-parameter-build.s3.{op}", unique_id=f"test-puts-{op}")
+
+
+def _hf_over_s3(s3, bucket: str, prefix: str, table: str) -> int:
+    """Rows of the hf layout's table read from S3 with pyarrow, by the files the card's YAML names."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+    import yaml
+
+    card = s3.client().get_object(Bucket=bucket, Key=f"{prefix}/hf/README.md")["Body"].read().decode()
+    pattern = {c["config_name"]: c for c in yaml.safe_load(card.split("---")[1])["configs"]}[table]["data_files"][0]["path"]
+    folder = pattern.rsplit("/", 1)[0]
+    files = sorted(k for k in _objects(s3, bucket, prefix) if k.startswith(f"hf/{folder}/") and k.endswith(".parquet"))
+    assert files, pattern
+    fs = pafs.S3FileSystem(access_key=S3_ENV["AWS_ACCESS_KEY_ID"], secret_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+                           endpoint_override=s3.endpoint, region="us-east-1", allow_bucket_creation=False)
+    return pq.ParquetDataset([f"{bucket}/{prefix}/{k}" for k in files], filesystem=fs).read().num_rows
+
+
+def test_publishing_to_s3_writes_the_folder_layout_and_the_printed_line_reads_it_exactly(on_s3, tmp_path):
+    """`publish s3://bucket/prefix` puts there what a folder DEST holds (catalog, data/, hf/);
+    a plain DuckDB with the reader's secret pastes the printed ATTACH line and gets every
+    table's rows at that snapshot; pyarrow reads hf/ by the files its card names."""
+    settings, s3, bucket = on_s3
+    r = pub.publish(settings, f"s3://{bucket}/sae/v1", stage=tmp_path / "stage")
+    assert r.remote == f"s3://{bucket}/sae/v1" and not r.dry_run
+    local = {p.relative_to(r.dest).as_posix(): p.stat().st_size for p in r.dest.rglob("*")
+             if p.is_file() and not p.relative_to(r.dest).parts[0].startswith(".")}
+    there = _objects(s3, bucket, "sae/v1")
+    assert {k: v[2] for k, v in there.items()} == local
+    assert pub.CATALOG_FILE in there and "hf/README.md" in there and any(k.startswith("data/main/features/") for k in there)
+    assert [k for k, _ in r.upload.sent][-1] == pub.CATALOG_FILE  # last
+    assert sorted(k for k, _ in r.upload.sent) == sorted(there) and r.upload.bytes_sent == sum(local.values())
+
+    attach = _printed_attach(r)
+    assert attach == f"ATTACH 'ducklake:s3://{bucket}/sae/v1/featurehouse.ducklake' AS fh (READ_ONLY)"
+    got = read_plain(attach, _all(pub.DEFAULT_TABLES), s3=_secret(s3))
+    for t in pub.DEFAULT_TABLES:
+        want = warehouse_rows(settings, t, r.snapshot_id)
+        assert got[t] == want, t
+        assert want, f"{t} is empty: the comparison proves nothing"
+    for t in ("features", "activations"):
+        assert _hf_over_s3(s3, bucket, "sae/v1", t) == len(warehouse_rows(settings, t, r.snapshot_id)), t
+
+
+def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_catalog_keeps_reading(on_s3, tmp_path):
+    """After a one-page load, a publication into the same prefix sends the new data files, the
+    hf/ tables that changed and the catalog, nothing else (counted from the listing, and from the
+    PUTs sent); a dry run before it says as much and sends nothing; the old catalog still reads
+    the first snapshot from the files left in place."""
+    settings, s3, bucket = on_s3
+    stage = tmp_path / "stage"
+    dest = f"s3://{bucket}/sae"
+    first = pub.publish(settings, dest, stage=stage)
+    before = _objects(s3, bucket, "sae")
+    s3.client().copy_object(Bucket=bucket, Key="readers/old.ducklake",  # what a reader of the first holds
+                            CopySource={"Bucket": bucket, "Key": f"sae/{pub.CATALOG_FILE}"})
+
+    page = good_page(400_001)
+    changed = good_page(4, source="5-res-jb")
+    changed["explanations"][0]["description"] = "rewritten before the S3 publication"
+    run_ingest([write(tmp_path / "n" / "a.json", orjson.dumps(page)),
+                write(tmp_path / "n" / "b.json", orjson.dumps(changed))], settings)
+
+    with _puts(settings) as puts:
+        dry = pub.publish(settings, dest, stage=stage, dry_run=True)
+    assert dry.dry_run and puts == [] and _objects(s3, bucket, "sae") == before
+    with _puts(settings) as puts:
+        second = pub.publish(settings, dest, stage=stage)
+    after = _objects(s3, bucket, "sae")
+    new = set(after) - set(before)
+    replaced = {k for k in before if k in after and after[k][0] != before[k][0]}
+    assert {k.removeprefix("sae/") for k in puts} == new | replaced == {k for k, _ in second.upload.sent}
+    assert new and all(k.startswith("data/") for k in new), new
+    assert pub.CATALOG_FILE in replaced and all(k == pub.CATALOG_FILE or k.startswith("hf/") for k in replaced)
+    for k, v in before.items():  # no data file was sent again, none removed
+        if k.startswith("data/"):
+            assert after[k] == v, k
+    assert second.upload.fetched == 0  # the stage already held what S3 holds
+    # the dry run named as many objects, the same ones but for the new data files' random names
+    assert len(dry.upload.sent) == len(second.upload.sent)
+    assert {k for k, _ in dry.upload.sent if not k.startswith("data/")} == replaced
+    first_data = sum(v[2] for k, v in before.items() if k.startswith("data/"))
+    sent_data = sum(n for k, n in second.upload.sent if k.startswith("data/"))
+    assert sent_data <= 0.05 * first_data, (sent_data, first_data)
+
+    got = read_plain(_printed_attach(second), _all(pub.DEFAULT_TABLES), s3=_secret(s3))
+    for t in pub.DEFAULT_TABLES:
+        assert got[t] == warehouse_rows(settings, t, second.snapshot_id), t
+    old = read_plain(f"ATTACH 'ducklake:s3://{bucket}/readers/old.ducklake' AS fh (READ_ONLY)",
+                     _all(["features", "explanations"]), s3=_secret(s3))
+    assert old["features"] == warehouse_rows(settings, "features", first.snapshot_id)
+    assert old["explanations"] == warehouse_rows(settings, "explanations", first.snapshot_id)
+    assert old["explanations"] != got["explanations"]
+    hist = read_plain(_printed_attach(second), {"p": "SELECT snapshot_id FROM fh.publication ORDER BY published_at"},
+                      s3=_secret(s3))
+    assert hist["p"] == [[repr(first.snapshot_id)], [repr(second.snapshot_id)]]
+
+
+def test_a_failed_upload_to_s3_leaves_the_publication_there_whole(on_s3, tmp_path, monkeypatch):
+    """The connection lost after some data files, then again among hf/'s files: each time the
+    catalog there is the one before, and a reader gets the first publication's rows exactly. A
+    publication from another stage then (a machine that did not make the one there) fetches it,
+    finishes, and both layouts hold the new snapshot."""
+    from botocore.exceptions import EndpointConnectionError
+
+    from pipeline.outputs import publish_s3
+
+    settings, s3, bucket = on_s3
+    stage = tmp_path / "stage"
+    dest = f"s3://{bucket}/sae"
+    first = pub.publish(settings, dest, stage=stage)
+    catalog = _objects(s3, bucket, "sae")[pub.CATALOG_FILE]
+    run_ingest([write(tmp_path / "n" / "a.json", orjson.dumps(good_page(400_002)))], settings)
+    n_data = sum(k.startswith("data/") for k, _ in pub.publish(settings, dest, stage=stage, dry_run=True).upload.sent)
+    real_put = publish_s3._put
+    for fail_after in (2, n_data + 2):  # among the data files; among hf/'s
+        calls = []
+
+        def failing(c, u, rel, path, _after=fail_after, _calls=calls, **cond):
+            _calls.append(rel)
+            if len(_calls) > _after:
+                raise EndpointConnectionError(endpoint_url=s3.endpoint)
+            return real_put(c, u, rel, path, **cond)
+
+        monkeypatch.setattr(publish_s3, "_put", failing)
+        with pytest.raises(publish_s3.UploadFailed, match="its catalog was not replaced"):
+            pub.publish(settings, dest, stage=stage)
+        assert _objects(s3, bucket, "sae")[pub.CATALOG_FILE] == catalog
+        got = read_plain(f"ATTACH 'ducklake:s3://{bucket}/sae/featurehouse.ducklake' AS fh (READ_ONLY)",
+                         {**_all(["features", "explanations"]),
+                          **{f"n_{t}": f"SELECT count(*) FROM fh.{t}" for t in pub.DEFAULT_TABLES}}, s3=_secret(s3))
+        for t in ("features", "explanations"):
+            assert got[t] == warehouse_rows(settings, t, first.snapshot_id), (fail_after, t)
+        assert {t: int(got[f"n_{t}"][0][0]) for t in pub.DEFAULT_TABLES} == _counts(settings, first.snapshot_id)
+    monkeypatch.setattr(publish_s3, "_put", real_put)
+    last = pub.publish(settings, dest, stage=tmp_path / "elsewhere")
+    assert last.upload.fetched > 0
+    got = read_plain(_printed_attach(last), _all(pub.DEFAULT_TABLES), s3=_secret(s3))
+    for t in pub.DEFAULT_TABLES:
+        assert got[t] == warehouse_rows(settings, t, last.snapshot_id), t
+        assert _hf_over_s3(s3, bucket, "sae", t) == len(got[t]), t  # hf/ repaired
+    # and the first stage, behind S3 now, takes what S3 holds before building on it
+    again = pub.publish(settings, dest, stage=stage)
+    assert again.upload.fetched > 0
+    got = read_plain(_printed_attach(again), _all(["features", "explanations"]), s3=_secret(s3))
+    assert got["features"] == warehouse_rows(settings, "features", again.snapshot_id)
+
+
+class _Gate(http.server.BaseHTTPRequestHandler):
+    """A loopback proxy in front of the S3 server that holds the data-file PUT after ``open`` of
+    them (``self.server.held`` set) until ``self.server.release``: a publication caught there
+    is caught while sending, every time."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _relay(self) -> None:
+        import http.client
+
+        srv = self.server
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.command == "PUT" and "/data/" in self.path:
+            with srv.lock:
+                srv.data_puts += 1
+                hold = srv.data_puts > srv.open and not srv.release.is_set()
+            if hold:
+                srv.held.set()
+                srv.release.wait(120)
+                self.close_connection = True
+                return
+        conn = http.client.HTTPConnection(*srv.upstream, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("expect", "connection")}
+        conn.request(self.command, self.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _gated(s3, open_puts: int):
+    host, port = s3.endpoint.removeprefix("http://").split(":")
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Gate)
+    srv.daemon_threads = True
+    srv.upstream, srv.open, srv.data_puts = (host, int(port)), open_puts, 0
+    srv.lock, srv.held, srv.release = threading.Lock(), threading.Event(), threading.Event()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield srv, f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.release.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_publication_to_s3_killed_while_sending_leaves_the_one_there_whole(on_s3, tmp_path):
+    """`featurehouse publish s3://...` SIGKILLed with two of its new data files sent (the third
+    held at a proxy): the catalog there is the one before and a reader gets its rows exactly; the
+    next publication (its local folder ahead of S3, its lock freed by the kernel) finishes."""
+    settings, s3, bucket = on_s3
+    dest = f"s3://{bucket}/sae"
+    cache = tmp_path / "cache"
+    base = [*FH, "publish", dest, "--warehouse", str(settings.warehouse)]
+    with _gated(s3, open_puts=10**6) as (_, endpoint):
+        env = {**os.environ, **S3_ENV, "FEATUREHOUSE_S3_ENDPOINT": endpoint, "FEATUREHOUSE_CACHE_DIR": str(cache)}
+        p = subprocess.run(base, capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stderr
+    first = _latest(settings)
+    catalog = _objects(s3, bucket, "sae")[pub.CATALOG_FILE]
+    run_ingest([write(tmp_path / "n" / "a.json", orjson.dumps(good_page(400_003)))], settings)
+    with _gated(s3, open_puts=2) as (gate, endpoint):
+        env = {**os.environ, **S3_ENV, "FEATUREHOUSE_S3_ENDPOINT": endpoint, "FEATUREHOUSE_CACHE_DIR": str(cache)}
+        proc = subprocess.Popen(base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert gate.held.wait(180), "the publication never sent a third data file"
+            proc.kill()
+            proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert gate.data_puts >= 3
+        assert _objects(s3, bucket, "sae")[pub.CATALOG_FILE] == catalog
+        got = read_plain(f"ATTACH 'ducklake:{dest}/featurehouse.ducklake' AS fh (READ_ONLY)",
+                         {**_all(["features"]), **{f"n_{t}": f"SELECT count(*) FROM fh.{t}" for t in pub.DEFAULT_TABLES}},
+                         s3=_secret(s3))
+        assert got["features"] == warehouse_rows(settings, "features", first)
+        assert {t: int(got[f"n_{t}"][0][0]) for t in pub.DEFAULT_TABLES} == _counts(settings, first)
+        gate.release.set()
+        p = subprocess.run(base, capture_output=True, text=True, env=env)
+        assert p.returncode == 0, p.stderr
+    line = next(x.strip() for x in p.stdout.splitlines() if x.strip().startswith("ATTACH"))
+    got = read_plain(line.rstrip(";"), {**_all(["features", "explanations"]),
+                                         **{f"n_{t}": f"SELECT count(*) FROM fh.{t}" for t in pub.DEFAULT_TABLES}},
+                     s3=_secret(s3))
+    snap = _latest(settings)
+    assert got["features"] == warehouse_rows(settings, "features", snap)
+    assert got["explanations"] == warehouse_rows(settings, "explanations", snap)
+    assert {t: int(got[f"n_{t}"][0][0]) for t in pub.DEFAULT_TABLES} == _counts(settings, snap)
+
+
+def test_publish_to_s3_from_the_command_line(on_s3, tmp_path):
+    """The CLI with the lake's S3 settings (variables): a dry run lists what it would send and
+    sends nothing; the publication prints what it sent and an ATTACH line that works as pasted."""
+    settings, s3, bucket = on_s3
+    env = {**os.environ, **s3.env(), "FEATUREHOUSE_CACHE_DIR": str(tmp_path / "cache")}
+    args = [*FH, "publish", f"s3://{bucket}/cli", "--warehouse", str(settings.warehouse), "--format", "ducklake"]
+    p = subprocess.run([*args, "--dry-run"], capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "would send" in p.stdout and pub.CATALOG_FILE in p.stdout and _objects(s3, bucket, "cli") == {}
+    p = subprocess.run(args, capture_output=True, text=True, env=env)
+    assert p.returncode == 0, p.stderr
+    assert f"into s3://{bucket}/cli: " in p.stdout and "bytes sent" in p.stdout
+    line = next(x.strip() for x in p.stdout.splitlines() if x.strip().startswith("ATTACH"))
+    got = read_plain(line.rstrip(";"), {"n": "SELECT count(*) FROM fh.activations"}, s3=_secret(s3))
+    assert got["n"] == [[repr(len(warehouse_rows(settings, "activations", _latest(settings))))]]
+    assert not any(k.startswith("hf/") for k in _objects(s3, bucket, "cli"))
+
+
+def test_an_s3_dest_is_refused_inside_the_lake_or_among_other_objects(on_s3, tmp_path, monkeypatch):
+    """Refused in one line, nothing sent: a prefix inside (or holding) the lake's S3 data path, a
+    prefix holding objects no publication made, an install without boto3."""
+    settings, s3, bucket = on_s3
+    lake = dataclasses.replace(settings, data_path=f"s3://{bucket}/lake/data/")
+    for dest in (f"s3://{bucket}/lake", f"s3://{bucket}/lake/data/pub"):
+        with pytest.raises(pub.PublishRefused, match="inside the warehouse's data path"):
+            pub.publish(lake, dest, stage=tmp_path / "stage")
+    s3.client().put_object(Bucket=bucket, Key="mine/notes.txt", Body=b"precious")
+    with pytest.raises(pub.PublishRefused, match="holds objects no publication made"):
+        pub.publish(settings, f"s3://{bucket}/mine", stage=tmp_path / "stage")
+    assert _objects(s3, bucket, "mine").keys() == {"notes.txt"}
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "boto3", None)  # the base install: boto3 comes with [scale]
+        with pytest.raises(pub.PublishRefused, match=r"pip install 'featurehouse\[scale\]'"):
+            pub.publish(settings, f"s3://{bucket}/pub", stage=tmp_path / "stage")
+    assert _objects(s3, bucket, "pub") == {}
+
+
 def _latest(settings: Settings) -> int:
     with wh.connect(settings, read_only=True) as conn:
         return int(conn.execute("SELECT max(snapshot_id) FROM featurehouse.snapshots()").fetchone()[0])
@@ -429,7 +771,7 @@ def test_a_warehouse_restored_from_a_copy_is_published_whole(built, tmp_path):
 def test_paths_and_unrelated_folders_stay_safe(built, tmp_path):
     """Found from outside: run_inputs.origin and raw_inputs.landed_path leaked paths; a folder with
     an hf/ of its own lost it; a link into the warehouse passed as outside it; s3:// became a
-    local folder."""
+    local folder (now: the bucket is looked for, and its absence said in one line)."""
     root, settings, _ = built
     r = pub.publish(settings, tmp_path / "p", tables=["raw_inputs", "run_inputs"])
     local = f"ATTACH 'ducklake:{r.catalog}' AS fh (READ_ONLY, DATA_PATH '{r.dest}/data/', OVERRIDE_DATA_PATH true)"
@@ -445,9 +787,12 @@ def test_paths_and_unrelated_folders_stay_safe(built, tmp_path):
     p = subprocess.run([*FH, "publish", str(link / "pub"), "--warehouse", str(settings.warehouse)],
                        capture_output=True, text=True)
     assert p.returncode == 1 and "inside the warehouse" in p.stderr, p.stderr
-    p = subprocess.run([*FH, "publish", "s3://bucket/x", "--warehouse", str(settings.warehouse)],
-                       capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 1 and "S3 directly is not built" in p.stderr and not (tmp_path / "s3:").exists()
+    with moto_s3() as s3:
+        env = {**os.environ, **s3.env(), "FEATUREHOUSE_CACHE_DIR": str(tmp_path / "cache")}
+        p = subprocess.run([*FH, "publish", "s3://no-such-bucket/x", "--warehouse", str(settings.warehouse)],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert p.returncode == 1 and "cannot list s3://no-such-bucket/x" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "s3:").exists()
 
 
 # --- killed at real points, then published again ----------------------------------------------------

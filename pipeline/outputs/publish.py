@@ -35,6 +35,9 @@ publication into a folder at a time (``flock`` on ``.publish.lock``, which the k
 its holder dies, whose text names the holder): the next one, holding it, removes all of that,
 so no leftover outlives it, and refuses while a live process holds it, naming that process.
 
+**To S3.** DEST may be ``s3://bucket/prefix``: the same layout is built in a local folder by
+the code below, then uploaded, the catalog last (:mod:`pipeline.outputs.publish_s3`).
+
 **Private.** What leaves is the data tables and their statistics (``DEFAULT_TABLES``); other
 tables only when named (``tables``), and even then without the columns that say where the
 inputs came from or who ran what (``PRIVATE_COLUMNS``: paths, hosts, errors) unless
@@ -131,10 +134,21 @@ class Published:
     seconds: float = 0.0
     #: The snapshot the DuckLake held before, when its change feed was applied ("" otherwise)
     base: str = ""
+    #: ``s3://bucket/prefix`` when published there (``dest`` is then the local folder it was built in)
+    remote: str = ""
+    #: What was sent to (or, a dry run, would be sent to) ``remote``: a ``publish_s3.Upload``
+    upload: Any = None
+    #: The S3 endpoint of ``remote`` when not AWS's (``http://host:port``), for the secret a reader makes
+    endpoint: str | None = None
 
     @property
     def catalog(self) -> Path:
         return self.dest / CATALOG_FILE
+
+    @property
+    def where(self) -> str:
+        """Where it was published: ``s3://bucket/prefix`` or the folder."""
+        return self.remote or str(self.dest)
 
     def lines(self) -> list[str]:
         """The lines that open the publication, as a reader pastes them (quotes doubled for SQL,
@@ -143,8 +157,12 @@ class Published:
         sql = lambda v: str(v).replace("'", "''")  # noqa: E731
         py = lambda v: str(v).replace("\\", "\\\\").replace("'", "\\'")  # noqa: E731
         if "ducklake" in self.formats:
-            if self.url:
+            if self.url and self.url.startswith("s3://"):
+                out.append("-- DuckDB (INSTALL ducklake; INSTALL httpfs; once), with an S3 secret for the bucket, e.g.")
+                out.append("-- CREATE SECRET (TYPE s3, PROVIDER credential_chain" + self._endpoint_opts() + ");")
+            elif self.url:
                 out.append("-- DuckDB (INSTALL ducklake; INSTALL httpfs; once):")
+            if self.url:
                 out.append(f"ATTACH 'ducklake:{sql(self.url)}/{CATALOG_FILE}' AS fh (READ_ONLY);")
             else:
                 out.append("-- DuckDB, this folder in place (served over HTTP: publish with --url):")
@@ -160,6 +178,14 @@ class Published:
                        f"datasets.load_dataset('parquet', data_files='{base}/features/*.parquet')")
         return out
 
+    def _endpoint_opts(self) -> str:
+        """A DuckDB S3 secret's options for ``endpoint`` ('' for AWS itself)."""
+        if not self.endpoint:
+            return ""
+        scheme, _, host = self.endpoint.rpartition("://")
+        host = host.rstrip("/").replace("'", "''")
+        return f", ENDPOINT '{host}', URL_STYLE 'path', USE_SSL {'false' if scheme == 'http' else 'true'}"
+
 
 # --- where it goes -------------------------------------------------------------------------------
 
@@ -172,10 +198,6 @@ def _inside(child: Path, parent: Path) -> bool:
 
 
 def _check_dest(settings: Settings, dest: Path) -> Path:
-    if str(dest).startswith(("s3://", "s3:/")):
-        raise PublishRefused(
-            f"{dest}: publishing to S3 directly is not built yet; publish to a folder and copy it up "
-            "(`aws s3 sync DEST s3://bucket/prefix`: the catalog file last)")
     dest = Path(os.path.realpath(dest))  # a link into the warehouse is inside it
     places = [("the warehouse", settings.warehouse), ("its data path", settings.data_url),
               ("the landing area", settings.landing_url)]
@@ -836,12 +858,19 @@ def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], 
 
 def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None = None, at: datetime | None = None,
             tables: list[str] | None = None, formats: tuple[str, ...] = ("ducklake", "hf"), url: str | None = None,
-            license: str | None = None, include_private: bool = False, dry_run: bool = False) -> Published:
-    """Publish the warehouse's tables as of one snapshot (the latest by default) into ``dest``.
+            license: str | None = None, include_private: bool = False, dry_run: bool = False,
+            stage: str | os.PathLike | None = None) -> Published:
+    """Publish the warehouse's tables as of one snapshot (the latest by default) into ``dest``, a
+    folder or ``s3://bucket/prefix``.
 
     ``url``: where ``dest`` will be served from (``https://host/path``): the catalog then names
-    its data files there, and the printed line attaches it with nothing else. Raises
-    :class:`PublishRefused` for a publication that cannot or may not be made."""
+    its data files there, and the printed line attaches it with nothing else (for an ``s3://``
+    DEST, the DEST itself unless given). ``stage``: for an ``s3://`` DEST, a folder of
+    featurehouse's own where its publication is built before it is uploaded (default: in
+    featurehouse's cache folder, see :mod:`pipeline.outputs.publish_s3`). Raises
+    :class:`PublishRefused` for a publication that cannot or may not be made
+    (:class:`~pipeline.outputs.publish_s3.UploadFailed`, one of them, for an upload that failed
+    part-way)."""
     started = time.monotonic()
     bad = [f for f in formats if f not in ("ducklake", "hf")]
     if bad or not formats:
@@ -850,7 +879,28 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
         url = url.rstrip("/")
         if not re.match(r"(https?|s3|gs|r2|az)://\S+$", url):
             raise PublishRefused(f"--url {url!r} is not an http(s):// or s3:// address")
-    dest = _check_dest(settings, Path(dest))
+    where = os.fspath(dest)
+    if where.startswith("s3:/"):  # a Path made of s3://b/x reads s3:/b/x
+        from . import publish_s3
+
+        remote = "s3://" + where[len("s3:/"):].lstrip("/")
+        url = url or remote.rstrip("/")  # the catalog names its data files there: the printed line is all
+        kw = dict(snapshot=snapshot, at=at, tables=tables, formats=tuple(formats), url=url, license=license,
+                  include_private=include_private)
+        out = publish_s3.publish_s3(settings, remote, formats=tuple(formats), stage=Path(stage) if stage else None,
+                                    dry_run=dry_run, build=lambda folder: _publish_folder(settings, folder, **kw))
+    else:
+        out = _publish_folder(settings, _check_dest(settings, Path(dest)), snapshot=snapshot, at=at, tables=tables,
+                              formats=tuple(formats), url=url, license=license, include_private=include_private,
+                              dry_run=dry_run, lock=True)
+    out.seconds = time.monotonic() - started
+    return out
+
+
+def _publish_folder(settings: Settings, dest: Path, *, snapshot: int | None, at: datetime | None,
+                    tables: list[str] | None, formats: tuple[str, ...], url: str | None, license: str | None,
+                    include_private: bool, dry_run: bool = False, lock: bool = False) -> Published:
+    """Publish into the folder ``dest`` (checked): ``lock``, taking its lock; without, its caller holds it."""
     conn = warehouse_mod.connect(settings, read_only=True)
     stack = contextlib.ExitStack()
     try:
@@ -861,7 +911,8 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
         spill = dest / f"{SCRATCH}{os.getpid()}-tmp"
         if not dry_run:
             dest.mkdir(parents=True, exist_ok=True)
-            _lock(dest, stack)  # one publication into a folder at a time
+            if lock:
+                _lock(dest, stack)  # one publication into a folder at a time
             stack.callback(shutil.rmtree, spill, ignore_errors=True)  # before the lock is let go
             _sweep(dest)
             conn.execute(f"SET temp_directory = '{_q(str(spill))}'")
@@ -876,5 +927,4 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
     finally:
         conn.close()
         stack.close()
-    out.seconds = time.monotonic() - started
     return out
