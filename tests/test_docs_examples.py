@@ -543,6 +543,8 @@ def test_a_shell_command_exits_as_the_page_says(example, runner):
     stated = _stated_json(example.comment)
     if stated is not None:
         assert _agrees(stated, json.loads(got.stdout)), f"{example.id} states {stated}, printed {got.stdout}"
+    if example.code.startswith(("featurehouse search", "featurehouse by-token")):  # a find example finds
+        assert "(no match)" not in got.stdout, f"{example.id}: {example.code} finds nothing where the page runs it"
 
 
 @pytest.mark.parametrize("example", _of("sql"))
