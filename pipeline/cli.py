@@ -406,11 +406,15 @@ _STATUS_COLUMNS = (
     ("quarantined", "n_quarantined"), ("superseded", "n_superseded"), ("failed_checks", "n_expectations_failed"),
     ("fetch_failed", "n_fetch_failed"), ("not_found", "n_fetch_not_found"), ("why", "verdict_reason"),
 )
-#: What ``status`` shows without ``--wide``, most wanted first: as many as the terminal holds, the
-#: why given the rest of the line (at least _WHY_MIN characters). run_id names the start time too.
-_STATUS_NARROW = ("run_id", "verdict", "status", "why", "loaded", "rejected", "fetch_failed", "quarantined",
+#: What ``status`` shows without ``--wide``: the verdict, the run (its id cut in the middle when the
+#: line is short: an Airflow run's is 45 characters) and why, then the failure counts a run holds,
+#: then the rest, as many as the terminal holds, the why given the rest of the line (at least
+#: _WHY_MIN characters). run_id names the start time too.
+_STATUS_NARROW = ("verdict", "run_id", "why", "fetch_failed", "rejected", "quarantined", "status", "loaded",
                   "seconds", "started_at")
+_STATUS_FAILURES = ("fetch_failed", "rejected", "quarantined")
 _WHY_MIN = 24
+_RUN_ID_MIN = 16
 
 
 def _status_cell(run: dict, key: str):
@@ -432,19 +436,25 @@ def _status_cell(run: dict, key: str):
 
 def _fit_status(columns: list[tuple[str, str]], rows: list[tuple], width: int) -> tuple[list, list]:
     """The narrow table's columns that fit ``width`` characters of DuckDB's box rendering, in
-    _STATUS_NARROW's order of wanting, the why cut to the rest of the line."""
+    _STATUS_NARROW's order of wanting (a failure count no run shown holds after the rest), the
+    run id cut in the middle and the why cut to the rest of the line when they must be."""
     def need(i: int, h: str) -> int:  # a column's share of the line: its widest of name, type, values, +3
         values = [r[i] for r in rows if r[i] is not None]
         kind = {str: 7, int: 5, float: 6}.get(type(values[0]), 9) if values else 7  # varchar, int64, double
         return 3 + max([len(h), kind] + [len(str(v)) for v in values])
 
     index = {h: i for i, (h, _) in enumerate(columns)}
-    kept, used = [], 1
-    for h in _STATUS_NARROW:
-        w = (3 + _WHY_MIN) if h == "why" else need(index[h], h)
-        if used + w + (0 if "why" in kept or h == "why" else 3 + _WHY_MIN) <= width:
+    held = [h for h in _STATUS_FAILURES if any(r[index[h]] not in (None, 0, "0") for r in rows)]
+    wanted = [h for h in _STATUS_NARROW if h not in _STATUS_FAILURES or h in held]
+    wanted += [h for h in _STATUS_FAILURES if h not in held]
+    # the verdict, the run and the why always: the run id gives way first, down to _RUN_ID_MIN
+    run_id = min(need(index["run_id"], "run_id"), max(3 + _RUN_ID_MIN, width - 1 - need(index["verdict"], "verdict")
+                                                       - 3 - _WHY_MIN))
+    kept, used = ["verdict", "run_id", "why"], 1 + need(index["verdict"], "verdict") + run_id + 3 + _WHY_MIN
+    for h in wanted:
+        if h not in kept and used + need(index[h], h) <= width:
             kept.append(h)
-            used += w
+            used += need(index[h], h)
     room = max(_WHY_MIN, width - used + _WHY_MIN)  # what the why's column holds once the others are in
     order = [h for h, _ in columns if h in kept]
     out = []
@@ -454,6 +464,9 @@ def _fit_status(columns: list[tuple[str, str]], rows: list[tuple], width: int) -
             v = r[index[h]]
             if h == "why" and v and len(v) > room:
                 v = v[: room - 1] + "…"
+            elif h == "run_id" and v and len(v) > run_id - 3:
+                keep = run_id - 4  # its head (the kind of run) and its tail (the time and the suffix)
+                v = v[: keep // 2] + "…" + v[len(v) - (keep - keep // 2):]
             cells.append(v)
         out.append(tuple(cells))
     return order, out
@@ -531,8 +544,10 @@ def _other_variables() -> list[dict[str, str]]:
 def config_cmd(warehouse, fmt) -> None:
     """Every setting in effect, and where it came from (the command line, an environment
     variable, featurehouse.toml, the default): the warehouse's settings and the paths derived
-    from them, what the nightly and inbox DAGs and `fetch` read from featurehouse.toml
-    ($FEATUREHOUSE_CONFIG), and the variables read nowhere else. Reads no warehouse; exits 1,
+    from them, what the nightly and inbox DAGs read from featurehouse.toml ($FEATUREHOUSE_CONFIG;
+    `featurehouse fetch` takes its own options and NEURONPEDIA_* instead), and the variables
+    read nowhere else. As this shell sees them: an Airflow Variable or Connection (the DAGs'
+    featurehouse_config, neuronpedia_default) is not read here. Reads no warehouse; exits 1,
     after showing the rest, when featurehouse.toml has a mistake.
 
     Every environment variable featurehouse reads is in docs/cli.md#settings."""
@@ -1285,8 +1300,8 @@ def _verbose_everywhere(group: click.Group) -> None:
     """``-v/--verbose`` after the command too (``featurehouse ingest x -v``), as before it."""
     for command in group.commands.values():
         if isinstance(command, click.Group):
-            _verbose_everywhere(command)
-        elif not any(p.name == "verbose" for p in command.params):
+            _verbose_everywhere(command)  # its commands, and the group itself (featurehouse fetch -v features)
+        if not any(p.name == "verbose" for p in command.params):
             command.params.append(click.Option(["-v", "--verbose"], is_flag=True, expose_value=False,
                                                callback=_set_verbose, help="Log what each stage does."))
 

@@ -334,6 +334,7 @@ def test_verbose_after_the_command_too(warehouse):
     assert after.returncode == 0, after.stderr
     assert "INFO featurehouse: report for" in after.stderr
     assert "INFO featurehouse" not in fh("report", "--warehouse", str(wh)).stderr
+    assert fh("fetch", "-v", "features", "--help").returncode == 0  # and after a group's name (review)
 
 
 def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
@@ -372,6 +373,39 @@ def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
             assert "│ 1 of 2 input(s)" in screen  # the why, cut to the line, still says it
         finally:
             subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+
+
+def test_status_at_80_columns_keeps_the_verdict_of_a_run_with_a_long_id(tmp_path):
+    """Review: a nightly run's id is 45 characters (airflow-featurehouse_nightly-...), and at 80
+    columns status kept only run_id and why: the verdict and status were gone. The verdict, the
+    run (its id cut in the middle) and why are always shown; the failure count a run holds comes
+    before the other counts."""
+    import shutil
+    import time
+
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed: the terminal's width is not tried")
+    wh = tmp_path / "wh"
+    run_id = "airflow-featurehouse_nightly-20261130T030000Z"
+    assert fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--run-id", run_id, "--no-progress").returncode == 0
+    sock = f"fh-{os.getpid()}-long"
+    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", "80", "-y", "30",
+                    f"{FEATUREHOUSE} status --warehouse {wh}; sleep 30"], check=True)
+    try:
+        deadline = time.monotonic() + 60
+        screen = ""
+        while "warehouse holds" not in screen and time.monotonic() < deadline:
+            time.sleep(0.3)
+            screen = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p"], capture_output=True, text=True).stdout
+        table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
+        assert table and max(len(ln) for ln in table) <= 80, screen
+        heads = [c.strip() for c in table[1].split("│") if c.strip()]
+        assert {"run_id", "verdict", "why"} <= set(heads), heads
+        row = [c.strip() for c in table[3].split("│") if c.strip()]
+        assert row[heads.index("verdict")] == "WARN" and row[heads.index("why")].startswith("1 of 2 input(s)"), row
+        assert row[heads.index("run_id")].endswith("20261130T030000Z"), row  # cut in its middle, its time whole
+    finally:
+        subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
 
 
 def test_ingest_and_status_give_one_duration(tmp_path):
