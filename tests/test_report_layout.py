@@ -7,7 +7,9 @@ some URLs; a run that failed with a long error; and an unchanged re-run (the sho
 its trend as a table). At 760 and 1280 px wide, in Chromium, the page does not scroll sideways
 and each card and table lies inside the window (a long token wraps in its cell; the SQL under a
 section scrolls in its own box). The index's table of runs scrolls inside its card at 760 px
-(``test_readable_outputs`` measures it at 1024 and 1280)."""
+(``test_readable_outputs`` measures it at 1024 and 1280). ``show --html``'s feature card is
+measured the same way: the samples' feature (excerpts of tokens joined by ␣, with no space to
+wrap at) and one of the long tokens; its excerpts wrap inside their boxes."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import orjson
 import pytest
 
 from pipeline import Settings, ingest
+from pipeline.outputs import find
 from pipeline.outputs.report import write_report
 from pipeline.sources.fetch import ingest_fetched
 from pipeline.sources.plan import fetch_chunk
@@ -32,6 +35,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 LONG_MODEL, LONG_SOURCE = "gemma-2-2b", "20-gemmascope-res-16k-canonical-l0-ultra-long-name"
 LONG_TOKENS = [" https://example.org/" + "path/" * 30 + "index.html", "x" * 150, "\n\n", "Ж" * 80]
+SAMPLES_FEATURE = "gpt-oss-20b/11-resid-post-aa/45698"
 LONG_WORD = "supercalifragilistic" * 9
 QUARANTINED = (2, 9, 10)  # pages with a broken excerpt: their keys differ by a number
 LOST = (2, 9, 10, 11)  # URLs of the night lost for good (503), of 0..12
@@ -91,6 +95,12 @@ def reports(tmp_path_factory) -> dict[str, Path]:
     assert quiet.n_loaded == 0
     out["quiet"] = Path(quiet.report_path)
     out["index"] = settings.report_dir / "index.html"
+
+    # `show --html`'s feature card: the samples' feature whose excerpts hold long runs of ␣-joined
+    # tokens, and one of the long tokens above (a URL, 150 letters with no break)
+    find.build_index(settings)
+    for name, key in (("card", SAMPLES_FEATURE), ("card-long", f"{LONG_MODEL}/{LONG_SOURCE}/11")):
+        out[name] = write(root / f"{name}.html", find.render_html(find.show(settings, key)).encode())
     out["settings"] = settings
     return out
 
@@ -216,14 +226,14 @@ _MEASURE = """() => {
   const scroller = e => { for (let p = e.parentElement; p; p = p.parentElement) {
       if (['auto', 'scroll'].includes(getComputedStyle(p).overflowX)) return p; } return null; };
   const what = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '') + (e.className ? '.' + e.className : '');
-  const boxes = [...document.querySelectorAll('main > *, section.card, table, pre, figure, .verdict, .group, .stat')]
+  const boxes = [...document.querySelectorAll('main > *, section.card, table, pre, figure, .verdict, .group, .stat, .excerpt')]
     .map(e => { const s = e.tagName === 'TABLE' ? scroller(e) : null;
       return {what: what(e), ...box(e), scrollWidth: e.scrollWidth, clientWidth: e.clientWidth,
               scroller: s && what(s), scrollerBox: s && box(s)}; });
   return {page: document.documentElement.scrollWidth, window: document.documentElement.clientWidth, boxes};
 }"""
 
-PAGES = ("samples", "long", "night", "broken", "quiet", "index")
+PAGES = ("samples", "long", "night", "broken", "quiet", "index", "card", "card-long")
 
 
 @pytest.mark.browser
@@ -250,6 +260,6 @@ def test_nothing_is_wider_than_the_window(chromium, reports, name, width):
             reach = b
         if reach["left"] < -0.5 or reach["right"] > window + 0.5:
             wide.append(b)
-        elif b["what"].startswith("section.card") and b["scrollWidth"] > b["clientWidth"] + 1:
-            wide.append(b)  # the card holds something wider than itself (it would scroll)
+        elif b["what"].startswith(("section.card", "div.excerpt")) and b["scrollWidth"] > b["clientWidth"] + 1:
+            wide.append(b)  # the card (the excerpt) holds something wider than itself: it would scroll (run past)
     assert not wide, f"at {width} px: {wide}"

@@ -1299,13 +1299,17 @@ def render_html(view: FeatureView) -> str:
     num = rounded
     top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
     parts = [f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{esc(view.key)} — featurehouse</title>
 <style>
 body {{ font: 15px/1.5 system-ui, sans-serif; margin: 2rem; color: #1d1d1f; max-width: 70rem; }}
 h1 {{ font-size: 1.3rem; }} h2 {{ font-size: 1.05rem; margin-top: 1.6rem; }}
 table {{ border-collapse: collapse; }} td, th {{ padding: .2rem .6rem; border-bottom: 1px solid #ddd; text-align: left; }}
 td.num, th.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
-.excerpt {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; margin: .1rem 0 .8rem; padding: .3rem; border: 1px solid #eee; }}
+.excerpt {{ font: 13px/1.9 ui-monospace, monospace; white-space: pre-wrap; word-break: break-word; margin: .1rem 0 .8rem; padding: .3rem; border: 1px solid #eee; }}
+/* as serve's pages: tokens written with ␣ hold no space to wrap at, so an excerpt, a cell or a
+   line of text breaks anywhere rather than reach past the window */
+td, li, p, .excerpt {{ overflow-wrap: anywhere; }}
 .excerpt-head {{ font-size: 13px; color: #555; }} .hint {{ font-size: 13px; color: #555; }}
 .tok {{ border-radius: 2px; unicode-bidi: isolate; }} bdi, code {{ unicode-bidi: isolate; }} .peak {{ outline: 2px solid #b3261e; }}
 .note {{ color: #8a5a00; }}
