@@ -12,8 +12,9 @@ warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00
    and the entry, and nothing after it runs.
 2. **fetch** is mapped over the chunks in pool `neuronpedia_api`: each lands page bodies in the
    landing area and never touches the warehouse, so chunks run side by side. A chunk whose URLs
-   all failed, or more than `[fetch] max_failed_fraction` (default 0.5) of them, fails its task,
-   which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed. A chunk
+   all failed, or `[fetch] max_failed_fraction` (default 0.5) of them or more, fails its task,
+   which is retried (`[fetch] task_retries`, `task_retry_delay`) and then left failed; one that
+   lost fewer succeeds, its log ending with a WARNING saying how many. A chunk
    whose source does not exist (every feature a 404 and so is its feature 0, or an empty export
    listing) fails at once, naming it.
 3. **units** splits what the run's window landed into ingest units: one per fetch chunk, one
@@ -23,12 +24,13 @@ warehouse (a DuckLake), once a night (cron from `[schedule] cron`, default 03:00
    of the night's warehouse run, on any worker, committing side by side with the others; each
    part that succeeds publishes the tables it loads (`features`, `activations`, ...) as Assets.
 5. **finish** records the fetch failures in `fetch_failures` and the run's status (failed, and
-   so is this task, when an ingest part failed); skipped when the plan failed.
+   so is this task, when an ingest part failed); skipped when the plan failed. It logs the
+   night's verdict (PASS, WARN or FAIL and why; at WARNING unless PASS) and returns it.
 6. **materialise** refreshes the activation statistics of what the run changed (the
    per-source aggregates once, after every part) and publishes them as Assets. Every Asset's
    URI names the warehouse: `x-ducklake://<catalog>/<table>`.
 7. **report** writes the run's data-quality report (its verdict is FAIL when the fetch failed
-   wholly or mostly).
+   wholly or mostly) and logs the verdict as finish does.
 8. **maintain** expires snapshots past the retention period, merges small files and deletes
    unreferenced ones.
 9. **all_fetched** does nothing itself; it is skipped as `upstream_failed` when a fetch chunk
@@ -165,6 +167,13 @@ def _warehouse(context: dict) -> str | None:
     return context["ti"].xcom_pull(task_ids="plan", key="warehouse")
 
 
+def _retry_left(context: dict) -> bool:
+    """Whether Airflow retries this task instance if this try fails (as its
+    ``TaskInstance.is_eligible_to_retry`` judges): its message must not promise a retry otherwise."""
+    ti = context["ti"]
+    return bool(ti.task.retries) and ti.try_number <= ti.max_tries
+
+
 def _failed(context: dict, task_id: str) -> int:
     """How many of this run's ``task_id`` instances failed (a killed worker's task leaves no
     trace in the warehouse); 0 when the scheduler cannot be asked (``airflow dags test``)."""
@@ -234,12 +243,12 @@ def featurehouse_nightly():
     @task(pool="neuronpedia_api", retries=_setting("fetch", "task_retries", 4, int),
           retry_delay=timedelta(seconds=_setting("fetch", "task_retry_delay", 60.0, float, MAX_RETRY_DELAY)),
           max_active_tis_per_dagrun=4)
-    def fetch(chunk: dict) -> dict:
+    def fetch(chunk: dict, **context) -> dict:
         from pipeline.sources.plan import fetch_chunk
 
         _, api_key = _neuronpedia()  # read here, never passed through XCom
         with not_transient():
-            return fetch_chunk(chunk, api_key=api_key)
+            return fetch_chunk(chunk, api_key=api_key, retry_left=_retry_left(context))
 
     # all_done_min_one_success: what the chunks that succeeded landed is still loaded (and
     # failures recorded) tonight, rather than left landed in a window no later run reads; the
@@ -266,7 +275,7 @@ def featurehouse_nightly():
 
     # all_done: the run's status and fetch failures are recorded whatever the parts did; it
     # fails (and so stops materialise and the report) when a part failed. Skipped when the plan
-    # failed: nothing was fetched, there is no run to finish.
+    # failed: nothing was fetched, there is no run to finish. It logs and returns the verdict.
     @task(pool="warehouse_writer", trigger_rule="all_done")
     def finish(**context) -> dict:
         from airflow.sdk.exceptions import AirflowSkipException
@@ -298,13 +307,16 @@ def featurehouse_nightly():
         with not_transient():  # after the load's snapshots, before maintain may expire them
             return refresh_index(settings_of({"warehouse": _warehouse(context)})).as_dict()
 
+    # ends its log with the night's verdict: WARNING when it is not PASS
     @task
     def report(**context) -> dict:
         from pipeline.outputs.report import report_run
+        from pipeline.sources.fetch import judge_run
         from pipeline.sources.plan import run_id_for
 
+        warehouse, run_id = _warehouse(context), run_id_for(run_key(context), DAG_ID)
         with not_transient():
-            return report_run(_warehouse(context), run_id_for(run_key(context), DAG_ID))
+            return report_run(warehouse, run_id) | judge_run(warehouse, run_id)
 
     @task(pool="warehouse_writer")
     def maintain(**context) -> dict:

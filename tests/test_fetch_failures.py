@@ -216,3 +216,64 @@ def test_the_task_log_names_each_lost_url_with_the_count_so_far_and_the_progress
     assert len(warnings) == 3 and "3 of 8 URL(s) lost so far" in warnings[-1], warnings
     progress = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and " done in " in r.getMessage()]
     assert progress and "8 of 8 done" in progress[-1], progress
+
+
+def _fetch_log(caplog) -> list[tuple[int, str]]:
+    return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "featurehouse.fetch"]
+
+
+def test_a_chunk_that_lost_urls_under_the_share_ends_its_log_with_one_warning_saying_how_many(tmp_path, caplog):
+    """12 of 25 lost (48%, under 0.5): the task succeeds, and its log's last line from the fetch
+    is one WARNING counting what the chunk lost; a chunk that lost nothing says none."""
+    import logging
+
+    lost = {feature_path(i): "503" for i in range(0, 24, 2)}
+    with FakeNeuronpedia(pages=pages(25), always=lost) as np, caplog.at_level(logging.INFO, "featurehouse.fetch"):
+        result = fetch_chunk(chunk(np.base_url, "w-some", 0, 25, max_attempts=1), settings_in(tmp_path))
+        assert result["n_failed"] == 12
+        logged = _fetch_log(caplog)
+        caplog.clear()
+        fetch_chunk(chunk(np.base_url, "w-none", 25, 30, max_attempts=1), settings_in(tmp_path))
+        quiet = _fetch_log(caplog)
+    summaries = [m for _, m in logged if "in this chunk" in m]
+    assert summaries == [f"{MODEL}/{SOURCE} features 0:25 (window w-some): 12 of 25 URL(s) lost in this chunk "
+                         "(see fetch_failures)"]
+    assert logged[-1] == (logging.WARNING, summaries[0])
+    assert not [m for level, m in quiet if level >= logging.WARNING]
+
+
+def test_a_retry_counts_what_it_asked_for_alike_in_each_lost_url_and_in_its_failure(tmp_path, caplog):
+    """A retry asks only for the 13 that did not land: each lost URL's line and the task's
+    exception count out of those 13, and both say the other 12 landed before. The rule is
+    "this share or more" (13 of 25 fails at 0.5); one attempt is "1 attempt"."""
+    import logging
+
+    settings = settings_in(tmp_path)
+    lost = {feature_path(i): "503" for i in range(13)}
+    c = chunk("http://unused", "w-again", 0, 25, max_attempts=1)
+    with FakeNeuronpedia(pages=pages(25), always=lost) as np, caplog.at_level(logging.INFO, "featurehouse.fetch"):
+        c["base_url"] = np.base_url
+        with pytest.raises(FetchChunkFailed) as first:
+            fetch_chunk(c, settings)
+        caplog.clear()
+        with pytest.raises(FetchChunkFailed) as again:
+            fetch_chunk(c, settings)
+    msg = str(first.value)
+    assert "13 of 25 URL(s) failed, reaching max_failed_fraction = 0.5 (this share or more fails the task)" in msg
+    assert "more than" not in msg and "(HTTP 503, 1 attempt):" in msg, msg
+    msg = str(again.value)
+    assert "13 of 13 URL(s) failed (12 more landed in an earlier try), all it asked for" in msg, msg
+    lines = [m for level, m in _fetch_log(caplog) if level == logging.WARNING and m.startswith("lost ")]
+    assert len(lines) == 13 and "after 1 attempt:" in lines[0]
+    assert lines[-1].endswith("(13 of 13 URL(s) lost so far; 12 more landed in an earlier try)"), lines[-1]
+
+
+@pytest.mark.parametrize("retry_left, says, never", [
+    (True, "a retry asks only for the rest", "no retry is left"),
+    (False, "no retry is left ([fetch] task_retries)", "a retry asks"),
+])
+def test_a_failed_chunk_promises_a_retry_only_when_one_is_left(tmp_path, retry_left, says, never):
+    base = f"http://127.0.0.1:{closed_port()}"
+    with pytest.raises(FetchChunkFailed) as exc:
+        fetch_chunk(chunk(base, "w-last", max_attempts=1), settings_in(tmp_path), retry_left=retry_left)
+    assert says in str(exc.value) and never not in str(exc.value), str(exc.value)

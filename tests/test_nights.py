@@ -101,3 +101,32 @@ def test_status_shows_a_night_whose_fetch_failed_wholly_as_fail_with_its_fetch_f
                              capture_output=True, text=True, timeout=120, env=dict(os.environ))
     (run,) = json.loads(as_json.stdout)
     assert (run["status"], run["verdict"], run["n_fetch_failed"]) == ("succeeded", "FAIL", 3)
+
+
+def test_finish_and_the_report_tell_the_nights_verdict_in_the_log_and_finish_returns_it(tmp_path, caplog):
+    """A night that lost 2 of 10 URLs is WARN: finish returns the verdict beside its count of
+    fetch failures and says it at WARNING, and so does judge_run (the report task's last
+    line); a clean night is PASS, said at INFO."""
+    import logging
+
+    from pipeline.sources.fetch import judge_run
+    from tests.fake_neuronpedia import feature_path
+
+    settings = Settings.from_env(warehouse=tmp_path / "wh")
+    with FakeNeuronpedia(pages=pages(20), always={feature_path(3): "503", feature_path(7): "503"}) as np:
+        c, clean = chunk(np.base_url, "w-lossy", 0, 10), chunk(np.base_url, "w-clean", 10, 20)
+        fetch_chunk(c, settings)
+        fetch_chunk(clean, settings)
+    for ch, run_id in ((c, "night-lossy"), (clean, "night-clean")):
+        for u in ingest_units([ch], settings):
+            ingest_unit(u, settings, run_id=run_id)
+    with caplog.at_level(logging.INFO, "featurehouse"):
+        finished = finish_fetched("w-lossy", settings, run_id="night-lossy")
+        judged = judge_run(settings.warehouse, "night-lossy")
+        clean_judged = finish_fetched("w-clean", settings, run_id="night-clean")
+    assert finished["n_fetch_failures"] == 2 and finished["verdict"] == "WARN", finished
+    assert "2 of 10 URL(s) failed to fetch" in finished["verdict_reason"]
+    assert judged == {k: finished[k] for k in ("verdict", "verdict_reason")}
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "verdict" in r.getMessage()]
+    assert said[:2] == [(logging.WARNING, f"run night-lossy: verdict WARN: {finished['verdict_reason']}")] * 2
+    assert clean_judged["verdict"] == "PASS" and said[2][0] == logging.INFO and "night-clean: verdict PASS" in said[2][1]

@@ -161,7 +161,8 @@ def _clean_key(api_key: str | None) -> str | None:
     key = api_key.strip()
     if any(ord(c) < 32 or ord(c) == 127 for c in key):
         raise BadApiKey("the Neuronpedia API key holds a control character (a line break?): "
-                        "check NEURONPEDIA_API_KEY / --api-key")
+                        "check NEURONPEDIA_API_KEY / --api-key (the nightly DAG: the "
+                        "neuronpedia_default Connection's password first)")
     return key or None
 
 

@@ -69,6 +69,7 @@ __all__ = [
     "ingest_fetched",
     "ingest_unit",
     "finish_fetched",
+    "judge_run",
     "first_fetch_start",
     "record_fetch_start",
     "in_unit",
@@ -109,6 +110,13 @@ class FetchResult:
         d = asdict(self)
         d["failures"] = d["failures"][:100]
         return d
+
+    def earlier(self) -> str:
+        """What a count out of what this try asked for leaves out when a retry skipped what had
+        landed ("12 more landed in an earlier try"), so that it is not read as out of the whole
+        chunk; "" when nothing was skipped."""
+        n = self.n_skipped_already_landed
+        return f"{n} more landed in an earlier try" if n else ""
 
 
 # --- when a window's fetching began -------------------------------------------------------
@@ -262,6 +270,8 @@ class _Fetcher:
         self.model = model
         self.source = source
         self.progress = progress
+        self.asking = 0
+        """URLs this fetch asks for (not already landed), counted before any is asked."""
 
     def run_job(self, job: _Job) -> dict[str, Any] | None:
         base = {"key": job.key, "url": job.url, "kind": job.kind, "model": self.model, "source": self.source}
@@ -303,22 +313,27 @@ class _Fetcher:
             r.n_failed += 1
             r.failures.append({k: entry.get(k) for k in
                                ("url", "key", "http_status", "attempts", "last_error")})
-            # an operator reading the task's log sees each lost URL, with the count so far
-            log.warning("lost %s after %s attempt(s): %s (%d of %d URL(s) lost so far)", entry.get("url"),
-                        entry.get("attempts"), entry.get("last_error"), r.n_failed,
-                        self.progress.total or r.n_requested)
+            # an operator reading the task's log sees each lost URL, with the count so far out of
+            # what this try asks for (as FetchChunkFailed counts), not out of the whole chunk
+            log.warning("lost %s after %s: %s (%d of %d URL(s) lost so far%s)", entry.get("url"),
+                        attempts(entry.get("attempts")), entry.get("last_error"), r.n_failed,
+                        max(self.asking, r.n_failed), f"; {r.earlier()}" if r.earlier() else "")
         self.progress.update()
 
     def run_all(self, jobs: Iterable[_Job], concurrency: int) -> None:
         """Run jobs with at most ``concurrency`` in flight (and as many again queued)."""
+        todo = []
+        for job in jobs:  # first, so that a lost URL's count says out of how many
+            if self.manifest.landed(job.key):
+                self.result.n_skipped_already_landed += 1
+                self.progress.bar.update(1)
+            else:
+                todo.append(job)
+        self.asking += len(todo)
         pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="fetch")
         try:
             pending: set[Future] = set()
-            for job in jobs:
-                if self.manifest.landed(job.key):
-                    self.result.n_skipped_already_landed += 1
-                    self.progress.bar.update(1)
-                    continue
+            for job in todo:
                 self.result.n_requested += 1
                 pending.add(pool.submit(self.run_job, job))
                 if len(pending) >= 2 * concurrency:
@@ -332,6 +347,11 @@ class _Fetcher:
             raise
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def attempts(n: Any) -> str:
+    """A count of attempts in words: 1 attempt, 6 attempts."""
+    return f"{n} attempt" + ("" if n == 1 else "s")
 
 
 def _feature_job(client: Client, landing: Where, base_url: str, model: str, source: str, index: int,
@@ -775,7 +795,10 @@ def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str
 
     The run began when the window's first fetch did (:func:`record_fetch_start`): its
     ``started_at`` is then, so its ``seconds`` are the whole night's, from the
-    first fetch to this."""
+    first fetch to this.
+
+    Returns the run's id, status and count of fetch failures, and its verdict, which it logs
+    (see :func:`judge_run`)."""
 
     settings = settings or Settings.from_env()
     failures: list[dict[str, Any]] = []
@@ -790,7 +813,26 @@ def finish_fetched(window: str, settings: Settings | None = None, *, run_id: str
         if status == "failed":
             (error,) = conn.execute("SELECT error FROM runs WHERE run_id = ?", [run_id]).fetchone()
             raise RuntimeError(f"run {run_id}: an ingest part failed: {error}")
-    return {"run_id": run_id, "status": status, "n_fetch_failures": len(failures)}
+        judged = _judge(conn, run_id)
+    return {"run_id": run_id, "status": status, "n_fetch_failures": len(failures)} | judged
+
+
+def judge_run(where: Settings | str | os.PathLike, run_id: str) -> dict[str, str]:
+    """The run's verdict (:func:`pipeline.outputs.report.verdict`), said in the log and returned
+    as ``{"verdict": "FAIL", "verdict_reason": "..."}``: WARNING when it is not PASS, so that a
+    task that succeeded still tells the operator reading its log that the night is not green;
+    INFO when it is. The nightly's ``finish`` (through :func:`finish_fetched`) and ``report``
+    tasks end with it."""
+    with warehouse.connect(warehouse.settings_for(where), read_only=True) as conn:
+        return _judge(conn, run_id)
+
+
+def _judge(conn, run_id: str) -> dict[str, str]:
+    from ..outputs.report import _run_row, verdict
+
+    v = verdict(_run_row(conn, run_id))
+    log.log(logging.INFO if v.level == "PASS" else logging.WARNING, "run %s: verdict %s: %s", run_id, v.level, v.reason)
+    return {"verdict": v.level, "verdict_reason": v.reason}
 
 
 def _fetched_at(entry: dict[str, Any]):

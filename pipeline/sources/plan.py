@@ -35,6 +35,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -71,6 +72,8 @@ __all__ = [
     "FetchChunkFailed",
     "too_many_failed",
 ]
+
+log = logging.getLogger("featurehouse.fetch")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "featurehouse.toml"
 CONFIG_SCHEMA = "featurehouse.toml.schema.json"
@@ -181,7 +184,7 @@ class Plan:
     """Fetch tasks that may run at once: the DAG's ``max_active_tis_per_dagrun`` and at most the
     ``neuronpedia_api`` pool's slots (``$FEATUREHOUSE_API_SLOTS``)."""
     max_failed_fraction: float = 0.5
-    """A fetch chunk whose failed URLs are more than this share of those it asked for (or all of
+    """A fetch chunk whose failed URLs are this share of those it asked for or more (or all of
     them, whatever this is) fails its task, which Airflow retries; what landed is still ingested."""
     max_attempts: int = 6
     """Attempts per URL within one fetch task before the URL counts as failed."""
@@ -648,16 +651,22 @@ def too_many_failed(n_failed: int, n_requested: int, max_fraction: float) -> boo
     return n_failed > 0 and (n_failed >= asked or n_failed / asked >= max_fraction)
 
 
-def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None) -> dict[str, Any]:
+def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None,
+                retry_left: bool | None = None) -> dict[str, Any]:
     """Fetch one chunk (a dict from :func:`chunks`) into the landing area; return what happened.
 
     Lands bodies and writes the window's manifest only: it never writes the warehouse, so that
-    many chunks can run at once. ``api_key`` defaults to ``$NEURONPEDIA_API_KEY`` inside fetch.
+    many chunks can run at once. ``api_key`` defaults to ``$NEURONPEDIA_API_KEY``. A chunk that
+    lost any URL (and does not raise) ends with one WARNING saying how many, out of what it
+    asked for.
 
-    Raises :class:`FetchChunkFailed` when every URL it asked for failed, or more than the chunk's
-    ``max_failed_fraction`` (``[fetch] max_failed_fraction``, default 0.5) of them: the Airflow
-    task then fails and is retried (a retry asks only for what did not land). What did land stays
-    in the window's manifest for the ingest task, which records the failures in ``fetch_failures``.
+    Raises :class:`FetchChunkFailed` when every URL it asked for failed, or the chunk's
+    ``max_failed_fraction`` (``[fetch] max_failed_fraction``, default 0.5) of them or more: the
+    Airflow task then fails and is retried (a retry asks only for what did not land). What did
+    land stays in the window's manifest for the ingest task, which records the failures in
+    ``fetch_failures``. ``retry_left`` says whether the caller will retry the chunk (the nightly
+    DAG knows from its task's try number; None: unknown), so the message does not promise a
+    retry that will not come.
 
     Raises :class:`SourceNotFound` (a :class:`ConfigError`: asking again changes nothing) when
     the chunk shows its source does not exist: every feature it asked for is a 404 and so is the
@@ -702,16 +711,25 @@ def fetch_chunk(chunk: dict[str, Any], settings=None, api_key: str | None = None
             f"Check this [[sources]] entry's model and source in featurehouse.toml; asking again will not help"
         )
     max_fraction = chunk.get("max_failed_fraction", Plan.max_failed_fraction)
+    # counted out of what this try asked for (a retry asks only for what had not landed), as
+    # each lost URL's line in the log counts them
+    lost, earlier = f"{result.n_failed} of {max(result.n_requested, result.n_failed)} URL(s)", result.earlier()
     if too_many_failed(result.n_failed, result.n_requested, max_fraction):
         first = result.failures[0] if result.failures else {}
         status = f"HTTP {first['http_status']}, " if first.get("http_status") else ""
+        then = {True: "a retry asks only for the rest",
+                False: "no retry is left ([fetch] task_retries): the rest stays lost tonight, in fetch_failures",
+                None: "a retry (the same window) asks only for the rest"}[retry_left]
+        share = ("all it asked for" if result.n_failed >= max(result.n_requested, 1)
+                 else f"reaching max_failed_fraction = {max_fraction:g} (this share or more fails the task)")
         raise FetchChunkFailed(
-            f"{chunk['model']}/{chunk['source']} {what} (window {result.window}): "
-            f"{result.n_failed} of {max(result.n_requested, result.n_failed)} URL(s) failed, more than "
-            f"max_failed_fraction = {max_fraction:g} allows; first {first.get('url')} "
-            f"({status}{first.get('attempts')} attempts): {first.get('last_error')}. What landed is kept "
-            "for the ingest; a retry asks only for the rest"
+            f"{chunk['model']}/{chunk['source']} {what} (window {result.window}): {lost} failed"
+            f"{f' ({earlier})' if earlier else ''}, {share}; first {first.get('url')} ({status}{fetch.attempts(first.get('attempts'))}): "
+            f"{first.get('last_error')}. What landed is kept for the ingest; {then}"
         )
+    if result.n_failed:
+        log.warning("%s/%s %s (window %s): %s lost in this chunk (%ssee fetch_failures)", chunk["model"],
+                    chunk["source"], what, result.window, lost, f"{earlier}; " if earlier else "")
     return result.as_dict()
 
 
