@@ -1026,9 +1026,15 @@ class _Run:
             except Rejected as exc:
                 self._reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
+            inexact = check.finish()
+            if check.page_line is not None:  # as the plain road refuses a file of JSON lines holding one
+                self._reject(batch, landed, "gzip+export_jsonl", (
+                    f"line {check.page_line} of the JSON lines is a whole feature page but line 1 is an export "
+                    "row: send feature pages and bulk-export rows in separate files"))
+                return
             batch.exports.setdefault(table, []).append(replace(landed, data=None))
             batch.export_lines[landed.sha256] = lines
-            if inexact := check.finish():
+            if inexact:
                 batch.export_inexact[landed.sha256] = inexact
             batch.export_fields[landed.sha256] = check.fields
             batch.n_bytes += size

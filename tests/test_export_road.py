@@ -888,3 +888,26 @@ def test_an_ingest_of_export_files_reads_no_file_again_for_its_fields(tmp_path, 
     summary = run_ingest([tmp_path / "in"], settings)
     assert (summary.n_rejected, summary.n_quarantined, summary.n_activations) == (0, 0, 24)
     assert query(settings.warehouse, "SELECT count(*) FROM activations WHERE extra->>'Foo' = '7'") == [(1,)]
+
+
+@pytest.mark.parametrize("page_key", [b'"model":{"id":"x"}', b'"source":{"id":"y"}', b'"sourceSet":{"name":"z"}'])
+def test_a_later_line_holding_a_pages_own_key_refuses_the_file_on_every_road(tmp_path, page_key):
+    """Helper-14 found it: a later line of an activation file holding "model", "source" or
+    "sourceSet" loaded on the gzip road without that field, where the plain road refused the file
+    as pages mixed with export rows. Both refuse it now, for the same reason."""
+    from pipeline.config import Settings
+
+    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    key, lines = _activation_lines(objects)
+    lines[5] = b"{" + page_key + b"," + lines[5][1:]
+    objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    reasons = {}
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        summary = run_ingest([tmp_path / road / "in"], settings)
+        assert summary.n_rejected == 1 and summary.n_activations == 0, (road, summary.n_activations)
+        reasons[road] = [r["reason"] for r in summary.rejected]
+    assert reasons["gzip"] == reasons["plain"] == [
+        "line 6 of the JSON lines is a whole feature page but line 1 is an export row: send feature pages "
+        "and bulk-export rows in separate files"]

@@ -335,6 +335,7 @@ class LineCheck:
 
     def reset(self) -> None:
         self.inexact: list[int] = []
+        self.page_line: int | None = None  # the first line holding a page's own key (model, activations...)
         self._pos = 0
         self._pending = b""
         self._too_long = False  # inside a line past _MAX_OBJECT: counted once, not parsed
@@ -376,6 +377,8 @@ class LineCheck:
         try:
             if type(doc) is simdjson.Object:
                 keys = list(doc.keys())
+                if self.page_line is None and not PAGE_RELATIONS.isdisjoint(keys):
+                    self.page_line = self._pos  # a whole page among export rows: the file is refused
                 if (not self._read_as_columns(keys) or len(keys) != len(set(keys))
                         or not _exact_fields(doc, self.typed) or not self._spelled_as_known(keys)
                         # an object in it (a memchr finds none in most lines) holding a key twice
