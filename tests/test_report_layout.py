@@ -155,14 +155,40 @@ def test_each_count_of_failures_on_the_index_and_the_trend_says_out_of_what(repo
     index = reports["index"].read_text()
     row = re.search(r'<tr class="run" data-run="run-long">(.*?)</tr>', index, re.S).group(1)
     cells = [_text(c) for c in re.findall(r'<td class="n">(.*?)</td>', row, re.S)]
-    # received, loaded, rejected, activations, quarantined, failed checks
-    assert cells[2] == f"3 of {new}" and cells[4] == f"{len(QUARANTINED)} of {records}", cells
-    assert cells[5] == f"{run['n_expectations_failed']} of {run['n_expectations']}", cells
+    # lost URLs, received, loaded, rejected, activations, quarantined, failed checks
+    assert cells[0] == "0" and cells[3] == f"3 of {new}" and cells[5] == f"{len(QUARANTINED)} of {records}", cells
+    assert cells[6] == f"{run['n_expectations_failed']} of {run['n_expectations']}", cells
+    heads = [_text(h) for h in re.findall(r"<th[^>]*>(.*?)</th>", index.split("<tbody>")[0], re.S)]
+    assert heads == ["verdict", "run", "why", "lost URLs", "received", "loaded", "rejected", "activations",
+                     "quarantined", "failed checks"], heads
+    # a night that lost URLs says how many of how many in a column of its own, not only in its why
+    row = re.search(r'<tr class="run" data-run="scheduled__[^"]*">(.*?)</tr>', index, re.S).group(1)
+    cells = [_text(c) for c in re.findall(r'<td class="n">(.*?)</td>', row, re.S)]
+    assert cells[0] == f"{len(LOST)} of 13", cells
 
     quiet = reports["quiet"].read_text()
     trend = re.search(r'<tr class="trend-run"[^>]*><td[^>]*>run-long</td>(.*?)</tr>', quiet, re.S).group(1)
     cells = [_text(c) for c in re.findall(r'<td class="n">(.*?)</td>', trend, re.S)]
     assert cells[1:3] == [f"3 of {new}", f"{len(QUARANTINED)} of {records}"], cells
+
+
+@pytest.mark.browser
+def test_the_index_shows_each_runs_verdict_and_why_in_a_narrow_window(chromium, reports):
+    """At 760 px the runs' table scrolls inside its card; what a reader needs first (the verdict,
+    the run, why) lies in the window before any scrolling, the counts after it."""
+    ctx = chromium.new_context(viewport={"width": 760, "height": 900})
+    try:
+        page = ctx.new_page()
+        page.goto(reports["index"].as_uri())
+        cells = page.evaluate("""() => [...document.querySelectorAll('tr.run td:nth-child(-n+3)')].map(e => {
+            const r = e.getBoundingClientRect(), s = e.closest('.scroll').getBoundingClientRect();
+            return {cls: e.className, text: e.innerText, left: r.left, right: r.right, box: s.right,
+                    window: document.documentElement.clientWidth}; })""")
+    finally:
+        ctx.close()
+    assert len(cells) == 3 * 5 and sum("why" in c["cls"] for c in cells) == 5, cells
+    off = [c for c in cells if c["left"] < 0 or c["right"] > min(c["box"], c["window"]) + 0.5]
+    assert not off, off
 
 
 # --- failures in the order of their numbers ------------------------------------------------------
