@@ -48,9 +48,20 @@ SUBJECT = ("featurehouse: {{ dag.dag_id }} failed{% if ti is defined %} in task 
 BODY = """<p>The DAG run <b>{{ run_id }}</b> of <b>{{ dag.dag_id }}</b> failed{% if reason is defined and reason %} ({{ reason }}){% endif %}.</p>
 {% if ti is defined %}<p>Task <b>{{ ti.task_id }}</b>{% if ti.map_index is not none and ti.map_index >= 0 %}[{{ ti.map_index }}]{% endif %},
 try {{ ti.try_number }}: <a href="{{ ti.log_url }}">its log</a>.</p>{% endif %}
-{% if featurehouse_run_id is defined %}<p>Its run in the warehouse: <b>{{ featurehouse_run_id }}</b>. What it loaded and why it is
-not PASS: <code>featurehouse status</code> and <code>featurehouse report --run {{ featurehouse_run_id }}</code>.</p>
-{% else %}<p>What the run loaded and why it is not PASS: <code>featurehouse status</code> and the run's report.</p>{% endif %}"""
+{% if featurehouse_error is defined and featurehouse_error %}<p>Its error:</p>
+<pre>{{ featurehouse_error | e }}</pre>{% endif %}
+{% if featurehouse_run_id is defined %}<p>If the night got as far as loading, its run in the warehouse is <b>{{ featurehouse_run_id }}</b>:
+<code>featurehouse status</code> and <code>featurehouse report --run {{ featurehouse_run_id }}</code> say what it loaded and why
+it is not PASS (they answer "no run" when it stopped before loading: then the error above is all there is).</p>
+{% else %}<p>If the run got as far as loading, <code>featurehouse status</code> and its report say what it loaded and why it is not PASS.</p>{% endif %}"""
+"""The mail's body: the run, the task that failed it with its error and log, and where the
+warehouse's own account of the run is, when there is one."""
+
+ERROR_KEY = "featurehouse_error"
+"""The XCom in which a failed task instance keeps its exception's text (:func:`remember_error`),
+for the run's failure mail: a DAG's failure callback is given the task, not its exception."""
+
+MAX_ERROR_CHARS = 4000
 
 
 def run_key(context: dict):
@@ -71,6 +82,41 @@ def not_transient():
         from airflow.sdk.exceptions import AirflowFailException
 
         raise AirflowFailException(f"{type(exc).__module__}.{type(exc).__name__}: {exc}") from exc
+
+
+def remember_error(context: dict) -> None:
+    """A task's ``on_failure_callback`` (its last try failed): keep the exception's text in the
+    task instance's XCom ``featurehouse_error``, where the DAG's failure mail finds it."""
+    exc = context.get("exception")
+    if exc is None:
+        return
+    text = f"{type(exc).__name__}: {exc}"
+    context["ti"].xcom_push(key=ERROR_KEY, value=text[:MAX_ERROR_CHARS])
+
+
+def failed_task_error(context: dict) -> str | None:
+    """The exception text of the task instance a failure callback's ``context`` names (``exception``
+    when the context is a task's; else what :func:`remember_error` kept); None when unknown."""
+    if context.get("exception") is not None:
+        exc = context["exception"]
+        return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+    ti = context.get("ti")
+    if ti is None:
+        return None
+    try:  # the dag-processor runs a DAG's callbacks with the task API (XComs among it)
+        return ti.xcom_pull(task_ids=ti.task_id, map_indexes=ti.map_index, key=ERROR_KEY)
+    except Exception:  # noqa: BLE001 - `airflow dags test` runs them in its own process, beside the database
+        pass
+    try:
+        from airflow.models.xcom import XComModel
+        from airflow.utils.session import create_session
+
+        with create_session() as session:
+            row = session.scalars(XComModel.get_many(run_id=ti.run_id, key=ERROR_KEY, task_ids=ti.task_id,
+                                                     dag_ids=ti.dag_id, map_indexes=ti.map_index, limit=1)).first()
+            return XComModel.deserialize_value(row) if row is not None else None
+    except Exception:  # noqa: BLE001 - a mail without it beats no mail
+        return None
 
 
 def config_path() -> Path:
@@ -132,7 +178,8 @@ def failure_notifier(config: dict):
 
         def render_template_fields(self, context, jinja_env=None):
             """The warehouse's run id beside Airflow's (``featurehouse status`` and the report
-            name runs by it): the one the DAG's tasks give their runs."""
+            name runs by it): the one the DAG's tasks give their runs; and the failed task's error."""
+            context["featurehouse_error"] = failed_task_error(context)
             try:
                 from pipeline.sources.plan import run_id_for
 

@@ -36,6 +36,7 @@ from featurehouse_common import (
     failure_notifier,
     not_transient,
     read_config,
+    remember_error,
     run_key,
     table_assets,
 )
@@ -57,6 +58,8 @@ CONFIG = read_config(CONFIG_PATH)
     dagrun_timeout=timedelta(hours=2),
     default_args={
         "owner": "featurehouse",
+        # a task that fails for good keeps its error for the run's failure mail
+        "on_failure_callback": remember_error,
         "retries": 2,
         "retry_delay": timedelta(minutes=1),
         "retry_exponential_backoff": True,

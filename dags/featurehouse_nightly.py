@@ -67,6 +67,7 @@ from featurehouse_common import (
     failure_notifier,
     not_transient,
     read_config,
+    remember_error,
     run_key,
     table_assets,
 )
@@ -186,6 +187,8 @@ def _failed(context: dict, task_id: str) -> int:
 
 default_args = {
     "owner": "featurehouse",
+    # a task that fails for good keeps its error for the run's failure mail
+    "on_failure_callback": remember_error,
     "retries": 3,
     "retry_delay": timedelta(seconds=_setting("schedule", "retry_delay", 60.0, float, MAX_RETRY_DELAY)),
     "retry_exponential_backoff": True,

@@ -182,6 +182,8 @@ def test_a_failed_run_mails_the_operator_from_a_bundle_that_finds_its_config_fro
     assert "featurehouse_inbox" in body and "<b>drain</b>" in body and "featurehouse status" in body
     (warehouse_run,) = q(site / "wh", "SELECT run_id FROM runs")[0]  # the id status and reports name it by
     assert f"featurehouse report --run {warehouse_run}" in body, body
+    # the failed task's own error, not only a link to its log
+    assert "AirflowFailException: inbox run" in body and "verdict FAIL" in body, body
 
 
 CLOSED_CONFIG = """
@@ -258,7 +260,12 @@ def test_nightly_against_a_closed_port_fails_its_fetch_but_ingests_and_reports(h
                        "finish": "success", "materialise": "success", "find_index": "success",
                        "report": "success", "maintain": "success", "all_fetched": "upstream_failed"}
     assert log.count("3 of 3 URL(s) failed") >= 2, "the fetch task was not retried"
+    # the first try promises a retry, the last (task_retries = 1) says none is left
+    assert log.count("a retry asks only for the rest") == 1 and log.count("no retry is left") == 1, log[-3000:]
+    assert log.index("a retry asks only for the rest") < log.index("no retry is left")
     assert run["state"] == "failed"
+    # finish and report say the night's verdict in their logs (at WARNING: it is not PASS)
+    assert log.count("verdict FAIL: 3 of 3 URL(s) failed to fetch") >= 2, log[-3000:]
 
     run_id = run_id_for(datetime.fromisoformat(logical_date))
     assert q(wh, "SELECT status, n_received FROM runs WHERE run_id = ?", [run_id]) == [("succeeded", 0)]
@@ -339,13 +346,26 @@ def test_nightly_naming_a_source_that_does_not_exist_fails_at_once_and_says_why(
 
 
 def test_nightly_with_a_config_mistake_fails_once_at_once_and_nothing_after_it_runs(home, tmp_path):
-    (tmp_path / "featurehouse.toml").write_text(TYPO_CONFIG.replace("chunk_size", "chunk_sise"))
+    """... and its mail carries the plan's error and claims no warehouse run (none was made)."""
+    import json
+
+    (tmp_path / "featurehouse.toml").write_text(
+        TYPO_CONFIG.replace("chunk_size", "chunk_sise") + '[notify]\nemail = "ops@example.org"\nfrom_email = "featurehouse@example.org"\n')
     env = home | {"FEATUREHOUSE_CONFIG": str(tmp_path / "featurehouse.toml"),
                   "FEATUREHOUSE_WAREHOUSE": str(tmp_path / "warehouse")}
     logical_date = "2026-12-01T03:00:00+00:00"
     started = time.monotonic()
-    out = airflow(["dags", "test", "featurehouse_nightly", logical_date], env, check=False)
+    with smtp_server() as mailbox:
+        smtp = {"conn_type": "smtp", "host": "127.0.0.1", "port": mailbox.port,
+                "extra": {"disable_ssl": True, "disable_tls": True, "timeout": 10, "retry_limit": 0}}
+        out = airflow(["dags", "test", "featurehouse_nightly", logical_date],
+                      env | {"AIRFLOW_CONN_SMTP_DEFAULT": json.dumps(smtp)}, check=False)
     log = out.stdout + out.stderr
+    assert len(mailbox.messages) == 1, log[-3000:]
+    body = mailbox.messages[0].get_body(("html",)).get_content()
+    assert "<b>plan</b>" in body and "unknown key(s) chunk_sise (did you mean chunk_size?)" in body, body
+    assert "If the night got as far as loading, its run in the warehouse is" in body
+    assert "Its run in the warehouse:" not in body
     assert "[fetch]: unknown key(s) chunk_sise (did you mean chunk_size?)" in log, log[-3000:]
     assert time.monotonic() - started < 120, "the plan task was retried"
     assert log.count("starting task_id=plan") == 1
