@@ -101,6 +101,16 @@ def reports(tmp_path_factory) -> dict[str, Path]:
     find.build_index(settings)
     for name, key in (("card", SAMPLES_FEATURE), ("card-long", f"{LONG_MODEL}/{LONG_SOURCE}/11")):
         out[name] = write(root / f"{name}.html", find.render_html(find.show(settings, key)).encode())
+
+    # serve's /runs over the same runs, kept as a file (its CSS is inline: it lays out the same)
+    from starlette.testclient import TestClient
+
+    from pipeline.outputs import web
+
+    with TestClient(web.make_app(settings), base_url="http://127.0.0.1") as client:
+        answer = client.get("/runs")
+        assert answer.status_code == 200, answer.text[:2000]
+        out["serve-runs"] = write(root / "serve-runs.html", answer.content)
     out["settings"] = settings
     return out
 
@@ -259,7 +269,7 @@ _MEASURE = """() => {
   return {page: document.documentElement.scrollWidth, window: document.documentElement.clientWidth, boxes};
 }"""
 
-PAGES = ("samples", "long", "night", "broken", "quiet", "index", "card", "card-long")
+PAGES = ("samples", "long", "night", "broken", "quiet", "index", "card", "card-long", "serve-runs")
 
 
 @pytest.mark.browser
@@ -289,3 +299,76 @@ def test_nothing_is_wider_than_the_window(chromium, reports, name, width):
         elif b["what"].startswith(("section.card", "div.excerpt")) and b["scrollWidth"] > b["clientWidth"] + 1:
             wide.append(b)  # the card (the excerpt) holds something wider than itself: it would scroll (run past)
     assert not wide, f"at {width} px: {wide}"
+
+
+#: Each cell of serve's runs, its text and where its lines break (the index in the text of each
+#: line's first character), read character by character.
+_LINES = """() => [...document.querySelectorAll('table tr[data-nav] > td')].map(td => {
+  const text = [], tops = [];
+  const walk = document.createTreeWalker(td, NodeFilter.SHOW_TEXT);
+  for (let n = walk.nextNode(); n; n = walk.nextNode()) {
+    for (let i = 0; i < n.length; i++) {
+      const r = document.createRange(); r.setStart(n, i); r.setEnd(n, i + 1);
+      const rect = [...r.getClientRects()].find(q => q.width > 0);
+      text.push(n.data[i]); tops.push(rect ? rect.top : null);
+    }
+  }
+  const breaks = []; let top = null;
+  tops.forEach((t, i) => { if (t === null) return; if (top !== null && t > top + 2) breaks.push(i); top = t; });
+  return {cls: td.className, text: text.join(''), breaks};
+})"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [760, 1280])
+def test_serves_runs_break_no_word(chromium, reports, width):
+    """serve's /runs: a status, a verdict's badge and a count each on one line ("N of M" whole); a
+    run id wraps only after a '-' or a 'T' (its date from its time); the start time between its
+    date and its time; why between words (inside one only if the word alone is wider than the
+    column: a path in an error)."""
+    ctx = chromium.new_context(viewport={"width": width, "height": 900})
+    try:
+        page = ctx.new_page()
+        page.goto(reports["serve-runs"].as_uri())
+        cells = page.evaluate(_LINES)
+        heads = page.evaluate("[...document.querySelectorAll('table th')].map(e => e.innerText)")
+    finally:
+        ctx.close()
+    assert len(cells) == 5 * len(heads), heads
+    bad = []
+    for k, c in enumerate(cells):
+        t, column = c["text"], heads[k % len(heads)]
+        for i in c["breaks"]:
+            if column == "run":
+                ok = t[i - 1] in "-T"
+            elif column == "started":  # between its date and its time
+                ok = t[i - 1].isspace() or t[i].isspace()
+            elif column == "why":
+                word = t[:i].split()[-1:] + t[i:].split()[:1]
+                ok = t[i - 1].isspace() or t[i].isspace() or t[i - 1] in "-/" or len("".join(word)) > 40
+            else:
+                ok = False
+            if not ok:
+                bad.append((column, t[max(0, i - 12):i] + "|" + t[i:i + 12]))
+    assert not bad, f"at {width} px, broken inside a word: {bad}"
+
+
+def test_serves_runs_say_each_count_of_failures_out_of_what(reports):
+    """serve's /runs writes each failure count as the report and `status` do (report.out_of's
+    formulas), with a column for the URLs a night lost."""
+    page = reports["serve-runs"].read_text()
+    heads = [_text(h) for h in re.findall(r"<th[^>]*>(.*?)</th>", page, re.S)]
+
+    def cells(run_id: str) -> dict[str, str]:
+        row = re.search(rf'<tr id="{re.escape(run_id)}" data-nav>(.*?)</tr>', page, re.S).group(1)
+        return dict(zip(heads, [_text(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]))
+
+    run = _run(reports["settings"], "run-long")
+    new = run["n_received"] - run["n_duplicates"]
+    records = run["n_features"] + run["n_activations"] + run["n_explanations"] + run["n_quarantined"]
+    long = cells("run-long")
+    assert (long["rejected"], long["quarantined"], long["failed checks"], long["lost URLs"]) == (
+        f"3 of {new}", f"{len(QUARANTINED)} of {records}",
+        f"{run['n_expectations_failed']} of {run['n_expectations']}", "0"), long
+    night = cells("scheduled__2026-01-01T00:00:00+00:00")
+    assert night["lost URLs"] == f"{len(LOST)} of 13" and night["verdict"] in ("WARN", "FAIL"), night

@@ -357,11 +357,16 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
 
     def runs(request: Request):
         t0 = time.perf_counter()
-        from .report import recent_runs
+        from .report import out_of, recent_runs
 
         with contextlib.closing(_lake(settings)) as conn:
             rs = recent_runs(conn, 200)
         for r in rs:
+            # what each failure count is out of: the report's formulas, so the page, the report
+            # and `status` say one "N of M"; a run that fetched nothing lost no URL of any number
+            r["of"] = out_of(r) | ({} if r.get("n_fetch_failed") else {"n_fetch_failed": 0})
+            # the id may wrap after a '-' or a 'T' (its date and time), never inside a word
+            r["run_id_parts"] = re.findall(r"[^-T]*[-T]|[^-T]+$", r["run_id"])
             rp = r.get("report_path")
             r["report_url"] = None
             if rp:
