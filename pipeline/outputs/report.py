@@ -426,6 +426,10 @@ def _alt():
     with validate.heavy_imports():  # only when a report is drawn
         import altair as alt
 
+    # Altair validates every object against the Vega-Lite schema as it is built (its "debug
+    # mode"): ~1 s of jsonschema a report, for charts this module builds the same way every time
+    # (tests/test_report.py draws each; vl-convert refuses a spec that is wrong)
+    alt.utils.schemapi.disable_debug_mode()
     return alt
 
 
@@ -454,7 +458,7 @@ def _svg_cached(chart, cache: Path | None = None) -> str:
     With ``cache`` (a folder), a chart whose Vega-Lite spec (its data included) was drawn before
     is read back instead of drawn again: an unchanged warehouse redraws nothing but its trend.
     """
-    spec = _xml_safe(_theme(chart).to_dict(validate=False))  # validated as built
+    spec = _xml_safe(_theme(chart).to_dict(validate=False))  # (the module's own charts: see _alt)
     svg = None
     if cache is not None:
         key = hashlib.sha256(json.dumps([draw.renderer_version(), spec], sort_keys=True, default=str).encode()).hexdigest()
