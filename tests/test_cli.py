@@ -337,59 +337,16 @@ def test_verbose_after_the_command_too(warehouse):
     assert fh("fetch", "-v", "features", "--help").returncode == 0  # and after a group's name (review)
 
 
-def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
-    """Issue 45: `status` was ~340 characters wide, then at 80 columns DuckDB's renderer hid all but
-    four columns behind "…" (the why among them). In a terminal of 80 or 100 columns (tmux) it
-    fits and shows the run, its verdict and why; --wide shows every count; failure counts say what
-    they are out of."""
-    import shutil
-    import time
-
-    wh, _ = warehouse
-    narrow = fh("status", "--warehouse", str(wh))
-    assert "activations" not in narrow.stdout.split("warehouse holds")[0] and "why" in narrow.stdout
-    assert "more columns: featurehouse status --wide" in narrow.stdout
-    wide = fh("status", "--warehouse", str(wh), "--wide").stdout
-    assert "activations" in wide and "more columns" not in wide
-    assert "1 of 2 " in wide and "1 of 31 " in wide and "1 of 42 " in wide  # rejected, failed checks, quarantined
-    if shutil.which("tmux") is None:
-        pytest.skip("tmux is not installed: the terminal's width is not tried")
-    for columns in (80, 100):
-        sock = f"fh-{os.getpid()}-{columns}"
-        subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", str(columns), "-y", "30",
-                        f"{FEATUREHOUSE} status --warehouse {wh}; sleep 30"], check=True)
-        try:
-            deadline = time.monotonic() + 60
-            screen = ""
-            while "warehouse holds" not in screen and time.monotonic() < deadline:
-                time.sleep(0.3)
-                screen = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p"], capture_output=True,
-                                        text=True).stdout
-            assert "warehouse holds" in screen, screen
-            table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
-            assert table and max(len(ln) for ln in table) <= columns, table
-            heads = [c.strip() for c in table[1].split("│") if c.strip()]
-            assert {"run_id", "verdict", "why"} <= set(heads) and "…" not in heads, heads
-            assert "│ 1 of 2 input(s)" in screen  # the why, cut to the line, still says it
-        finally:
-            subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
-
-
-def test_status_at_80_columns_keeps_the_verdict_of_a_run_with_a_long_id(tmp_path):
-    """Review: a nightly run's id is 45 characters (airflow-featurehouse_nightly-...), and at 80
-    columns status kept only run_id and why: the verdict and status were gone. The verdict, the
-    run (its id cut in the middle) and why are always shown; the failure count a run holds comes
-    before the other counts."""
+def _status_table_in_a_terminal(wh: Path, columns: int) -> tuple[str, list[str], list[list[str]]]:
+    """`featurehouse status` as a terminal of ``columns`` shows it (tmux): the screen, the
+    table's headings and its rows' cells."""
     import shutil
     import time
 
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed: the terminal's width is not tried")
-    wh = tmp_path / "wh"
-    run_id = "airflow-featurehouse_nightly-20261130T030000Z"
-    assert fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--run-id", run_id, "--no-progress").returncode == 0
-    sock = f"fh-{os.getpid()}-long"
-    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", "80", "-y", "30",
+    sock = f"fh-{os.getpid()}-{columns}-{wh.parent.name}"
+    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", str(columns), "-y", "30",
                     f"{FEATUREHOUSE} status --warehouse {wh}; sleep 30"], check=True)
     try:
         deadline = time.monotonic() + 60
@@ -397,15 +354,46 @@ def test_status_at_80_columns_keeps_the_verdict_of_a_run_with_a_long_id(tmp_path
         while "warehouse holds" not in screen and time.monotonic() < deadline:
             time.sleep(0.3)
             screen = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p"], capture_output=True, text=True).stdout
-        table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
-        assert table and max(len(ln) for ln in table) <= 80, screen
-        heads = [c.strip() for c in table[1].split("│") if c.strip()]
-        assert {"run_id", "verdict", "why"} <= set(heads), heads
-        row = [c.strip() for c in table[3].split("│") if c.strip()]
-        assert row[heads.index("verdict")] == "WARN" and row[heads.index("why")].startswith("1 of 2 input(s)"), row
-        assert row[heads.index("run_id")].endswith("20261130T030000Z"), row  # cut in its middle, its time whole
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
+    assert "warehouse holds" in screen, screen
+    table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
+    assert table and max(len(ln) for ln in table) <= columns, screen
+    heads = [c.strip() for c in table[1].split("│") if c.strip()]
+    rows = [[c.strip() for c in ln.split("│") if c.strip()] for ln in table[3:] if ln.startswith("│")]
+    return screen, heads, rows
+
+
+def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
+    """Issue 45: `status` was ~340 characters wide, then at 80 columns DuckDB's renderer hid all but
+    four columns behind "…" (the why among them). In a terminal of 80 or 100 columns (tmux) it
+    fits and shows the run, its verdict and why; --wide shows every count; failure counts say what
+    they are out of."""
+    wh, _ = warehouse
+    narrow = fh("status", "--warehouse", str(wh))
+    assert "activations" not in narrow.stdout.split("warehouse holds")[0] and "why" in narrow.stdout
+    assert "more columns: featurehouse status --wide" in narrow.stdout
+    wide = fh("status", "--warehouse", str(wh), "--wide").stdout
+    assert "activations" in wide and "more columns" not in wide
+    assert "1 of 2 " in wide and "1 of 31 " in wide and "1 of 42 " in wide  # rejected, failed checks, quarantined
+    for columns in (80, 100):
+        screen, heads, _ = _status_table_in_a_terminal(wh, columns)
+        assert {"run_id", "verdict", "why"} <= set(heads) and "…" not in heads, heads
+        assert "│ 1 of 2 input(s)" in screen  # the why, cut to the line, still says it
+
+
+def test_status_at_80_columns_keeps_the_verdict_of_a_run_with_a_long_id(tmp_path):
+    """Review: a nightly run's id is 45 characters (airflow-featurehouse_nightly-...), and at 80
+    columns status kept only run_id and why: the verdict and status were gone. The verdict, the
+    run (its id cut in the middle) and why are always shown; the failure count a run holds comes
+    before the other counts."""
+    wh = tmp_path / "wh"
+    run_id = "airflow-featurehouse_nightly-20261130T030000Z"
+    assert fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--run-id", run_id, "--no-progress").returncode == 0
+    _, heads, [row] = _status_table_in_a_terminal(wh, 80)
+    assert {"run_id", "verdict", "why"} <= set(heads), heads
+    assert row[heads.index("verdict")] == "WARN" and row[heads.index("why")].startswith("1 of 2 input(s)"), row
+    assert row[heads.index("run_id")].endswith("20261130T030000Z"), row  # cut in its middle, its time whole
 
 
 def test_ingest_and_status_give_one_duration(tmp_path):
