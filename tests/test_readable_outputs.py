@@ -80,6 +80,8 @@ def test_a_tokens_edges_are_visible(token, shown):
     (1234.5, "1,234"), (262144, "262,144"), (3.0, "3"), (0, "0"), (0.0, "0"), (None, "–"),
     (np.int64(5000), "5,000"), (np.float64(DENSITY), "3.35e-05"), (Decimal("2.50"), "2.5"),
     (float("nan"), "nan"), (True, "True"), ("n/a", "n/a"),
+    # a time to the second (review: the feature page said "captured 2026-12-06 03:08:42.766184")
+    (__import__("datetime").datetime(2026, 12, 6, 3, 8, 42, 766184), "2026-12-06 03:08:42"),
 ])
 def test_numbers_are_rounded_for_people(value, shown):
     assert rounded(value) == shown

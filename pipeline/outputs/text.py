@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
@@ -30,9 +31,11 @@ def visible_token(token: str | None) -> str:
 def rounded(v: Any, digits: int = 3) -> str:
     """A number for people: whole numbers with thousands separators, others to ``digits``
     significant digits (``3.35e-05``, not ``3.347874052815106e-05``; ``12.3``; ``1,235``);
-    None as a dash. What is not a number is written as it is."""
+    None as a dash; a time to the second. What is not a number is written as it is."""
     if v is None:
         return "–"
+    if isinstance(v, datetime):  # a time to the second (a capture's microseconds say nothing to a reader)
+        return v.strftime("%Y-%m-%d %H:%M:%S")
     if isinstance(v, bool) or not isinstance(v, (numbers.Real, Decimal)):
         return str(v)
     if isinstance(v, numbers.Integral):  # numpy's and DuckDB's integers too
