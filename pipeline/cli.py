@@ -491,8 +491,13 @@ def status_cmd(warehouse, limit, fmt, wide) -> None:
     with _open(settings, read_only=True) as conn:
         runs = recent_runs(conn, limit)
         if fmt == "json":
+            from .outputs.report import out_of
+
+            # with what each failure count is out of, as the table's "N of M" (review: a script
+            # could not rebuild "50 of 100 URLs" from n_fetch_failed alone)
             _print_json([{k: v for k, v in r.items() if k != "verdict"}
-                         | {"verdict": r["verdict"].level, "verdict_reason": r["verdict"].reason} for r in runs])
+                         | {"n_fetch_requested": out_of(r)["n_fetch_failed"], "n_records_read": out_of(r)["n_quarantined"],
+                            "verdict": r["verdict"].level, "verdict_reason": r["verdict"].reason} for r in runs])
             return
         columns = [(h, c) for h, c in _STATUS_COLUMNS if wide or h in _STATUS_NARROW]
         rows = [tuple(_status_cell(r, c) for _, c in columns) for r in runs]
