@@ -437,6 +437,8 @@ def test_config_shows_what_the_dags_and_fetch_read_and_every_variable(tmp_path):
         cwd=ROOT, capture_output=True, text=True).stdout.split()) - {"FEATUREHOUSE_MAX"}
     shown = " ".join(r["variables"] for r in json.loads(proc.stdout))
     assert sorted(v for v in used if f"${v}" not in shown) == []
+    gone = fh("config", "--warehouse", str(tmp_path / "w"), env=env | {"FEATUREHOUSE_CONFIG": str(tmp_path / "no.toml")})
+    assert gone.returncode == 1 and f"no config file at {tmp_path / 'no.toml'} (FEATUREHOUSE_CONFIG names it)" in gone.stderr
     toml.write_text(toml.read_text().replace("chunk_size = 250", "chunk_sise = 250"))
     broken = fh("config", "--warehouse", str(tmp_path / "w"), env=env)
     assert broken.returncode == 1 and "chunk_sise" in broken.stderr and "batch_bytes" in broken.stdout

@@ -394,7 +394,9 @@ def _load(path: str | os.PathLike | None, env: dict[str, str] | os._Environ | No
     try:
         raw = tomllib.loads(config_path.read_text())
     except FileNotFoundError as exc:
-        raise ConfigError(f"no config file at {config_path} (set FEATUREHOUSE_CONFIG)") from exc
+        named = ("FEATUREHOUSE_CONFIG names it" if not path and env.get("FEATUREHOUSE_CONFIG")
+                 else "set FEATUREHOUSE_CONFIG to the file to read")  # (review: said "set it" when it was)
+        raise ConfigError(f"no config file at {config_path} ({named})") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{config_path} cannot be read: {exc}") from exc
     except tomllib.TOMLDecodeError as exc:
