@@ -974,12 +974,12 @@ def search_cmd(query, warehouse, model, source, limit, fmt, refresh) -> None:
     """
     if not query.replace('"', " ").strip():
         raise click.UsageError("the search query is empty: give one or more words, or a \"quoted phrase\"")
-    from .outputs.find import QueryHoldsNoWord
+    from .outputs.find import NoSuchSource, QueryHoldsNoWord
 
     with _finder(warehouse, refresh) as finder:
         try:
             found = finder.search(query, model=model, source=source, limit=limit)
-        except QueryHoldsNoWord as exc:
+        except (QueryHoldsNoWord, NoSuchSource) as exc:
             raise click.UsageError(str(exc)) from None
         _print_found(found, fmt)
 
@@ -992,13 +992,15 @@ def similar_cmd(feature, warehouse, model, source, limit, fmt, refresh) -> None:
     narrow them: by cosine similarity of their explanations' embeddings (exact), or, for a
     feature without one, by the overlap of its top activating tokens and top positive logits.
     The basis column says which."""
-    from .outputs.find import NoSuchFeature
+    from .outputs.find import NoSuchFeature, NoSuchSource
 
     with _finder(warehouse, refresh) as finder:
         try:
             found = finder.similar(feature, model=model, source=source, limit=limit)
         except NoSuchFeature as exc:
             raise click.ClickException(str(exc)) from None
+        except NoSuchSource as exc:
+            raise click.UsageError(str(exc)) from None
         (n,) = finder.conn.execute(
             "SELECT count(*) FROM features WHERE ($m IS NULL OR model_id = $m) AND ($s IS NULL OR source_id = $s)",
             {"m": model, "s": source}).fetchone()
@@ -1022,9 +1024,15 @@ def by_token_cmd(token, warehouse, model, source, limit, fmt, refresh, ignore_ca
     \b
     Example: featurehouse by-token CPU --strip --ignore-case
     """
+    from .outputs.find import NoSuchSource
+
     with _finder(warehouse, refresh) as finder:
-        _print_found(finder.by_token(token, ignore_case=ignore_case, strip=strip, model=model, source=source,
-                                     data_source=data_source, limit=limit), fmt, {"description": 50})
+        try:
+            found = finder.by_token(token, ignore_case=ignore_case, strip=strip, model=model, source=source,
+                                    data_source=data_source, limit=limit)
+        except NoSuchSource as exc:
+            raise click.UsageError(str(exc)) from None
+        _print_found(found, fmt, {"description": 50})
 
 
 @cli.command("show")

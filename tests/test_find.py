@@ -641,7 +641,23 @@ def test_similar_with_nothing_near_counts_the_features_it_was_narrowed_to(lake):
     """Issue 45: with --source the message counted the whole index ("holds 2001 feature(s); none
     other has an embedding..."), which was false of the source asked for."""
     settings, _ = lake
-    r = _fh("similar", "gpt-oss-20b/11-resid-post-aa/8", "--source", "no-such-source",
+    # a model and a source the index holds, but no feature of both
+    r = _fh("similar", "gpt-oss-20b/11-resid-post-aa/8", "--model", "gpt-oss-20b", "--source", SOURCE,
             "--warehouse", str(settings.warehouse))
     assert r.returncode == 0, r.stderr
-    assert "holds 0 feature(s) of source no-such-source; none other of them" in r.stdout, r.stdout
+    assert f"holds 0 feature(s) of model gpt-oss-20b source {SOURCE}; none other of them" in r.stdout, r.stdout
+    # (a source the index does not hold at all is named so: test_a_model_or_source_the_index_does_not_hold...)
+
+
+def test_a_model_or_source_the_index_does_not_hold_is_named_with_the_nearest(lake):
+    """Review: `search cpu --source nope` answered "(no match)", and `similar` with a source one
+    letter short said the index held 0 features of it, neither saying there is no such source."""
+    settings, _ = lake
+    with pytest.raises(find.NoSuchSource, match="holds no source '24-gemmascope-2-res-262' \\(did you mean "):
+        find.search(settings, "jokes", source="24-gemmascope-2-res-262")
+    for args in (["search", "jokes"], ["similar", f"{MODEL}/{SOURCE}/0"], ["by-token", "paris"]):
+        r = _fh(*args, "--source", "nope", "--warehouse", str(settings.warehouse))
+        assert r.returncode == 2 and "holds no source 'nope'" in r.stderr, (args, r.stderr)
+    r = _fh("search", "jokes", "--model", MODEL[:-2], "--warehouse", str(settings.warehouse))
+    assert r.returncode == 2 and f"did you mean {MODEL}" in r.stderr, r.stderr
+    assert len(find.search(settings, "jokes", source=SOURCE, limit=3)) == 3  # a source it holds narrows as before

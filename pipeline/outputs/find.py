@@ -102,6 +102,10 @@ class QueryHoldsNoWord(ValueError):
     """A search query of punctuation alone: the index holds words (letters and digits) only."""
 
 
+class NoSuchSource(ValueError):
+    """``model``/``source`` naming none the find index holds (the message names the nearest)."""
+
+
 class NoSuchFeature(LookupError):
     "The feature is not in the warehouse (or not in the find index yet)."
 
@@ -970,6 +974,18 @@ class Finder:
         return self._found(self.conn.execute(warehouse_mod.bind(sql, params)))
 
     def _narrow(self, model: str | None, source: str | None, alias: str = "f") -> tuple[str, dict]:
+        """The filter of ``model``/``source``; :class:`NoSuchSource` when the index holds none of
+        either (an answer of "no match" would say nothing of the typo)."""
+        import difflib
+
+        for kind, column, value in (("model", "model_id", model), ("source", "source_id", source)):
+            if value and not self.conn.execute(warehouse_mod.bind(
+                    f"SELECT 1 FROM features WHERE {column} = $v LIMIT 1", {"v": value})).fetchone():
+                names = [n for (n,) in self.conn.execute(f"SELECT DISTINCT {column} FROM features").fetchall()]
+                near = difflib.get_close_matches(value, names, 3, 0.6)
+                raise NoSuchSource(f"the find index holds no {kind} {value!r}" + (
+                    f" (did you mean {' or '.join(near)}?)" if near else f"; it holds {len(names):,} {kind}(s): "
+                    f"featurehouse sql \"SELECT DISTINCT {column} FROM features\""))
         where, params = "", {}
         if model:
             where += f" AND {alias}.model_id = $model"
