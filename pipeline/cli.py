@@ -648,8 +648,13 @@ def publish_cmd(dest, warehouse, snapshot, at, tables, fmt, url, license_, inclu
 
     before = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        r = publish.publish(settings, dest, snapshot=snapshot, at=at, tables=names, formats=formats, url=url,
-                            license=license_, include_private=include_private, dry_run=dry_run)
+        to = publish.publish
+        if dest.startswith("s3:/"):  # built as a folder by publish.publish's code, then uploaded
+            from .outputs import publish_s3
+
+            to = publish_s3.publish
+        r = to(settings, dest, snapshot=snapshot, at=at, tables=names, formats=formats, url=url,
+               license=license_, include_private=include_private, dry_run=dry_run)
     except (publish.PublishRefused, *_USER_ERRORS) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

@@ -29,6 +29,7 @@ from RangeHTTPServer import RangeRequestHandler
 from pipeline.config import Settings
 from pipeline.lake import warehouse as wh
 from pipeline.outputs import publish as pub
+from pipeline.outputs import publish_s3
 from tests.conftest import good_page, run_ingest, write
 from tests.s3_support import S3_ENV, moto_s3
 
@@ -377,7 +378,7 @@ def test_publishing_to_s3_writes_the_folder_layout_and_the_printed_line_reads_it
     a plain DuckDB with the reader's secret pastes the printed ATTACH line and gets every
     table's rows at that snapshot; pyarrow reads hf/ by the files its card names."""
     settings, s3, bucket = on_s3
-    r = pub.publish(settings, f"s3://{bucket}/sae/v1", stage=tmp_path / "stage")
+    r = publish_s3.publish(settings, f"s3://{bucket}/sae/v1", stage=tmp_path / "stage")
     assert r.remote == f"s3://{bucket}/sae/v1" and not r.dry_run
     local = {p.relative_to(r.dest).as_posix(): p.stat().st_size for p in r.dest.rglob("*")
              if p.is_file() and not p.relative_to(r.dest).parts[0].startswith(".")}
@@ -406,7 +407,7 @@ def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_
     settings, s3, bucket = on_s3
     stage = tmp_path / "stage"
     dest = f"s3://{bucket}/sae"
-    first = pub.publish(settings, dest, stage=stage)
+    first = publish_s3.publish(settings, dest, stage=stage)
     before = _objects(s3, bucket, "sae")
     s3.client().copy_object(Bucket=bucket, Key="readers/old.ducklake",  # what a reader of the first holds
                             CopySource={"Bucket": bucket, "Key": f"sae/{pub.CATALOG_FILE}"})
@@ -418,10 +419,10 @@ def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_
                 write(tmp_path / "n" / "b.json", orjson.dumps(changed))], settings)
 
     with _puts(settings) as puts:
-        dry = pub.publish(settings, dest, stage=stage, dry_run=True)
+        dry = publish_s3.publish(settings, dest, stage=stage, dry_run=True)
     assert dry.dry_run and puts == [] and _objects(s3, bucket, "sae") == before
     with _puts(settings) as puts:
-        second = pub.publish(settings, dest, stage=stage)
+        second = publish_s3.publish(settings, dest, stage=stage)
     after = _objects(s3, bucket, "sae")
     new = set(after) - set(before)
     replaced = {k for k in before if k in after and after[k][0] != before[k][0]}
@@ -459,15 +460,14 @@ def test_a_failed_upload_to_s3_leaves_the_publication_there_whole(on_s3, tmp_pat
     finishes, and both layouts hold the new snapshot."""
     from botocore.exceptions import EndpointConnectionError
 
-    from pipeline.outputs import publish_s3
 
     settings, s3, bucket = on_s3
     stage = tmp_path / "stage"
     dest = f"s3://{bucket}/sae"
-    first = pub.publish(settings, dest, stage=stage)
+    first = publish_s3.publish(settings, dest, stage=stage)
     catalog = _objects(s3, bucket, "sae")[pub.CATALOG_FILE]
     run_ingest([write(tmp_path / "n" / "a.json", orjson.dumps(good_page(400_002)))], settings)
-    n_data = sum(k.startswith("data/") for k, _ in pub.publish(settings, dest, stage=stage, dry_run=True).upload.sent)
+    n_data = sum(k.startswith("data/") for k, _ in publish_s3.publish(settings, dest, stage=stage, dry_run=True).upload.sent)
     real_put = publish_s3._put
     for fail_after in (2, n_data + 2):  # among the data files; among hf/'s
         calls = []
@@ -480,7 +480,7 @@ def test_a_failed_upload_to_s3_leaves_the_publication_there_whole(on_s3, tmp_pat
 
         monkeypatch.setattr(publish_s3, "_put", failing)
         with pytest.raises(publish_s3.UploadFailed, match="its catalog was not replaced"):
-            pub.publish(settings, dest, stage=stage)
+            publish_s3.publish(settings, dest, stage=stage)
         assert _objects(s3, bucket, "sae")[pub.CATALOG_FILE] == catalog
         got = read_plain(f"ATTACH 'ducklake:s3://{bucket}/sae/featurehouse.ducklake' AS fh (READ_ONLY)",
                          {**_all(["features", "explanations"]),
@@ -489,14 +489,14 @@ def test_a_failed_upload_to_s3_leaves_the_publication_there_whole(on_s3, tmp_pat
             assert got[t] == warehouse_rows(settings, t, first.snapshot_id), (fail_after, t)
         assert {t: int(got[f"n_{t}"][0][0]) for t in pub.DEFAULT_TABLES} == _counts(settings, first.snapshot_id)
     monkeypatch.setattr(publish_s3, "_put", real_put)
-    last = pub.publish(settings, dest, stage=tmp_path / "elsewhere")
+    last = publish_s3.publish(settings, dest, stage=tmp_path / "elsewhere")
     assert last.upload.fetched > 0
     got = read_plain(_printed_attach(last), _all(pub.DEFAULT_TABLES), s3=_secret(s3))
     for t in pub.DEFAULT_TABLES:
         assert got[t] == warehouse_rows(settings, t, last.snapshot_id), t
         assert _hf_over_s3(s3, bucket, "sae", t) == len(got[t]), t  # hf/ repaired
     # and the first stage, behind S3 now, takes what S3 holds before building on it
-    again = pub.publish(settings, dest, stage=stage)
+    again = publish_s3.publish(settings, dest, stage=stage)
     assert again.upload.fetched > 0
     got = read_plain(_printed_attach(again), _all(["features", "explanations"]), s3=_secret(s3))
     assert got["features"] == warehouse_rows(settings, "features", again.snapshot_id)
@@ -630,15 +630,15 @@ def test_an_s3_dest_is_refused_inside_the_lake_or_among_other_objects(on_s3, tmp
     lake = dataclasses.replace(settings, data_path=f"s3://{bucket}/lake/data/")
     for dest in (f"s3://{bucket}/lake", f"s3://{bucket}/lake/data/pub"):
         with pytest.raises(pub.PublishRefused, match="inside the warehouse's data path"):
-            pub.publish(lake, dest, stage=tmp_path / "stage")
+            publish_s3.publish(lake, dest, stage=tmp_path / "stage")
     s3.client().put_object(Bucket=bucket, Key="mine/notes.txt", Body=b"precious")
     with pytest.raises(pub.PublishRefused, match="holds objects no publication made"):
-        pub.publish(settings, f"s3://{bucket}/mine", stage=tmp_path / "stage")
+        publish_s3.publish(settings, f"s3://{bucket}/mine", stage=tmp_path / "stage")
     assert _objects(s3, bucket, "mine").keys() == {"notes.txt"}
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "boto3", None)  # the base install: boto3 comes with [scale]
         with pytest.raises(pub.PublishRefused, match=r"pip install 'featurehouse\[scale\]'"):
-            pub.publish(settings, f"s3://{bucket}/pub", stage=tmp_path / "stage")
+            publish_s3.publish(settings, f"s3://{bucket}/pub", stage=tmp_path / "stage")
     assert _objects(s3, bucket, "pub") == {}
 
 

@@ -861,7 +861,7 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
             license: str | None = None, include_private: bool = False, dry_run: bool = False,
             stage: str | os.PathLike | None = None) -> Published:
     """Publish the warehouse's tables as of one snapshot (the latest by default) into ``dest``, a
-    folder or ``s3://bucket/prefix``.
+    folder (``s3://bucket/prefix``: :func:`pipeline.outputs.publish_s3.publish`, which builds on this).
 
     ``url``: where ``dest`` will be served from (``https://host/path``): the catalog then names
     its data files there, and the printed line attaches it with nothing else (for an ``s3://``
@@ -880,19 +880,12 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
         if not re.match(r"(https?|s3|gs|r2|az)://\S+$", url):
             raise PublishRefused(f"--url {url!r} is not an http(s):// or s3:// address")
     where = os.fspath(dest)
-    if where.startswith("s3:/"):  # a Path made of s3://b/x reads s3:/b/x
-        from . import publish_s3
-
-        remote = "s3://" + where[len("s3:/"):].lstrip("/")
-        url = url or remote.rstrip("/")  # the catalog names its data files there: the printed line is all
-        kw = dict(snapshot=snapshot, at=at, tables=tables, formats=tuple(formats), url=url, license=license,
-                  include_private=include_private)
-        out = publish_s3.publish_s3(settings, remote, formats=tuple(formats), stage=Path(stage) if stage else None,
-                                    dry_run=dry_run, build=lambda folder: _publish_folder(settings, folder, **kw))
-    else:
-        out = _publish_folder(settings, _check_dest(settings, Path(dest)), snapshot=snapshot, at=at, tables=tables,
-                              formats=tuple(formats), url=url, license=license, include_private=include_private,
-                              dry_run=dry_run, lock=True)
+    if where.startswith("s3:/"):  # (publish_s3 builds on this module: it cannot be called from here)
+        raise PublishRefused(f"{where}: an s3:// DEST is published by pipeline.outputs.publish_s3.publish "
+                             "(featurehouse publish calls it)")
+    out = _publish_folder(settings, _check_dest(settings, Path(dest)), snapshot=snapshot, at=at, tables=tables,
+                          formats=tuple(formats), url=url, license=license, include_private=include_private,
+                          dry_run=dry_run, lock=True)
     out.seconds = time.monotonic() - started
     return out
 

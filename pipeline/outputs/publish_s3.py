@@ -34,9 +34,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +50,7 @@ from ..config import Settings
 from ..lake.s3 import PART_SIZE, S3Url
 from . import publish as pub
 
-__all__ = ["UploadFailed", "Upload", "publish_s3", "stage_for"]
+__all__ = ["UploadFailed", "Upload", "publish", "publish_s3", "stage_for"]
 
 #: Objects sent (or fetched) at once.
 WORKERS = 8
@@ -450,6 +452,33 @@ def _overtaken(u: S3Url) -> UploadFailed:
 
 
 # --- the whole of it --------------------------------------------------------------------------------
+
+def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None = None, at=None,
+            tables: list[str] | None = None, formats: tuple[str, ...] = ("ducklake", "hf"), url: str | None = None,
+            license: str | None = None, include_private: bool = False, dry_run: bool = False,
+            stage: str | os.PathLike | None = None) -> pub.Published:
+    """:func:`pipeline.outputs.publish.publish` into ``s3://bucket/prefix``: the publication is
+    built in ``stage`` (default: in featurehouse's cache folder) by that function's folder code,
+    then uploaded (:func:`publish_s3`). Raises ``PublishRefused`` as it does (:class:`UploadFailed`
+    for an upload that failed part-way)."""
+    started = time.monotonic()
+    bad = [f for f in formats if f not in ("ducklake", "hf")]
+    if bad or not formats:
+        raise pub.PublishRefused(f"unknown format {', '.join(bad) or '(none)'}: ducklake, hf or both")
+    where = os.fspath(dest)
+    if not where.startswith("s3:/"):
+        raise pub.PublishRefused(f"{where} is not an s3:// address: pipeline.outputs.publish.publish publishes a folder")
+    remote = "s3://" + where[len("s3:/"):].lstrip("/")  # a Path made of s3://b/x reads s3:/b/x
+    url = (url.rstrip("/") if url else None) or remote.rstrip("/")  # the catalog names its data files there
+    if not re.match(r"(https?|s3|gs|r2|az)://\S+$", url):
+        raise pub.PublishRefused(f"--url {url!r} is not an http(s):// or s3:// address")
+    kw = dict(snapshot=snapshot, at=at, tables=tables, formats=tuple(formats), url=url, license=license,
+              include_private=include_private)
+    out = publish_s3(settings, remote, formats=tuple(formats), stage=Path(stage) if stage else None,
+                     dry_run=dry_run, build=lambda folder: pub._publish_folder(settings, folder, **kw))
+    out.seconds = time.monotonic() - started
+    return out
+
 
 def publish_s3(settings: Settings, url: str, *, formats: tuple[str, ...], stage: Path | None, dry_run: bool,
                build: Callable[[Path], pub.Published]) -> pub.Published:
