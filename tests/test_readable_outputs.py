@@ -1,7 +1,7 @@
 """The pages people read write tokens and numbers for people: the run report, its index of runs
 and the feature card (``show --html``). A token's leading or trailing space is ␣ and a newline
-↵ (" CPU" and "CPU" differ on the page), escaped; a firing density is 3.35e-05, not
-3.347874052815106e-05, the same on every page; each excerpt of the card says its data source
+↵ (" CPU" and "CPU" differ on the page), escaped; a firing density is a percentage as
+Neuronpedia writes it, 0.00335%, not 3.347874052815106e-05, the same on every page; each excerpt of the card says its data source
 and its largest activation; the runs' table fits its card in a browser."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from pipeline import Settings, ingest
 from pipeline.outputs import find
-from pipeline.outputs.text import rounded, visible_token
+from pipeline.outputs.text import density, rounded, visible_token
 from tests.conftest import SEED_NOT_A_PAGE, good_page, write
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +96,14 @@ def test_the_web_app_writes_a_token_the_same_way(value):
     assert web.visible_token(value) == visible_token(value)
 
 
+@pytest.mark.parametrize(("value", "shown"), [
+    (DENSITY, "0.00335%"), (0.001, "0.1%"), (0.25, "25%"), (1, "100%"), (0, "0%"), (0.0, "0%"), (None, "–"),
+    (np.float64(DENSITY), "0.00335%"), (Decimal("0.5"), "50%"), (math.nan, "nan"), ("x", "x"),
+])
+def test_a_firing_density_is_a_percentage_for_people(value, shown):
+    assert density(value) == shown
+
+
 @pytest.mark.parametrize("value", [DENSITY, 0.001, 3.14159265, 1234.5, 262144, 3.0, 0, None, -0.5, 1e9, math.inf])
 def test_the_web_app_rounds_a_number_the_same_way(value):
     from pipeline.outputs import web
@@ -119,9 +127,9 @@ def test_the_report_rounds_the_firing_density_and_activations(warehouse):
     _, path = warehouse
     raw = path.read_text()
     row = _text(re.search(r'<tr class="top-feature">.*?</tr>', raw, re.S).group(0))
-    assert rounded(DENSITY) in row and rounded(PEAK) in row, row
+    assert "0.00335%" in row and rounded(PEAK) in row, row
     outside_charts = _text(re.sub(r"<svg.*?</svg>", "", raw, flags=re.S))
-    long_numbers = re.findall(r"\d\.\d{5,}", outside_charts)
+    long_numbers = re.findall(r"\d\.0*[1-9]\d{3,}", outside_charts)  # over 3 significant digits
     assert not long_numbers, f"numbers not rounded: {long_numbers}"
 
 
@@ -163,8 +171,8 @@ def test_the_card_rounds_its_numbers_as_the_report_does(card, warehouse):
     _, path = warehouse
     assert str(DENSITY) not in page and str(PEAK) not in _text(page)
     head = _text(re.search(r"<p>Max activation.*?</p>", page, re.S).group(0))
-    assert f"firing density {rounded(DENSITY)}" in head and f"(approx.) {rounded(PEAK)}" in head
-    assert rounded(DENSITY) in _text(path.read_text())  # the report writes it the same way
+    assert f"firing density {density(DENSITY)}" in head and f"(approx.) {rounded(PEAK)}" in head
+    assert density(DENSITY) == "0.00335%" and density(DENSITY) in _text(path.read_text())  # the report alike
     titles = re.findall(r'<span class="tok[^"]*" data-activation="[^"]*" title="([^"]*)"', page)
     assert rounded(PEAK) in titles and str(PEAK) not in titles
 
@@ -232,3 +240,22 @@ def test_a_narrow_window_scrolls_the_runs_table_inside_its_card(chromium, wareho
         assert m["cardScroll"] <= m["card"] + 1, m
     finally:
         ctx.close()
+
+
+def test_the_reports_duration_says_what_status_counts(warehouse, tmp_path):
+    """The report a run writes cannot time its own writing: it says its duration is the load's
+    and that status counts the report too; written again later, it gives status's seconds."""
+    from pipeline.lake import warehouse as warehouse_mod
+    from pipeline.outputs import report
+
+    settings, path = warehouse
+    dd = re.search(r"<dt>duration</dt><dd>(.*?)</dd>", path.read_text(), re.S).group(1)
+    assert 'id="duration-note"' in dd and "featurehouse status" in _text(dd), dd
+    with warehouse_mod.connect(settings, read_only=True) as conn:
+        seconds = conn.execute("SELECT epoch(finished_at - started_at) FROM runs "
+                               "WHERE run_id = 'run-readable'").fetchone()[0]
+    loaded = float(re.match(r"\s*([\d.]+) s", _text(dd)).group(1))
+    assert loaded <= round(seconds, 1)
+    again = report.write_report(settings, "run-readable", out_dir=tmp_path)
+    dd = re.search(r"<dt>duration</dt><dd>(.*?)</dd>", again.read_text(), re.S).group(1)
+    assert "duration-note" not in dd and _text(dd).strip() == f"{seconds:.1f} s", dd

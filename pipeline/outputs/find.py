@@ -57,7 +57,7 @@ import duckdb
 from ..config import Settings
 from ..lake import warehouse as warehouse_mod
 from ..lake.extensions import new_connection
-from .text import rounded, visible_token
+from .text import density, rounded, visible_token
 
 __all__ = [
     "Finder", "Found", "FindIndexMissing", "FindIndexDamaged", "FindIndexForeign", "FindIndexUnwritable",
@@ -1260,7 +1260,7 @@ def _render_text(view: FeatureView) -> str:
     f = view.feature or {}
     if f:
         out.append(f"  max activation (approx.) {rounded(f.get('max_act_approx'))}, "
-                   f"firing density {rounded(f.get('frac_nonzero'))}")
+                   f"firing density {density(f.get('frac_nonzero'))}")
         if f.get("pos_str"):
             out.append("  top positive logits: " + ", ".join(repr(t) for t in f["pos_str"][:10]))
     out.append("statistics per data source:")
@@ -1334,7 +1334,7 @@ td, li, p, .excerpt {{ overflow-wrap: anywhere; }}
     f = view.feature or {}
     if f:
         parts.append(f'<p>Max activation (approx.) <b class="max-act">{esc(num(f.get("max_act_approx")))}</b>; '
-                     f'firing density <b class="density">{esc(num(f.get("frac_nonzero")))}</b> '
+                     f'firing density <b class="density">{esc(density(f.get("frac_nonzero")))}</b> '
                      "(the share of all tokens on which it fires).</p>")
         if f.get("pos_str"):
             parts.append("<p>Top positive logits: "

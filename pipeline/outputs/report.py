@@ -36,7 +36,7 @@ from ..lake.landing import disk_full
 from ..names import BadRunId, check_run_id
 from ..stages import validate
 from . import draw
-from .text import rounded, visible_token
+from .text import density, rounded, visible_token
 
 __all__ = ["VERDICT_RULES", "Verdict", "verdict", "out_of", "recent_runs", "write_report", "report_run", "NoRuns",
            "RunNotFound", "warm_charts"]
@@ -783,6 +783,7 @@ def _env():
                              autoescape=True, trim_blocks=True, lstrip_blocks=True)
     # numbers and tokens written as the feature card and the web app write them (text.py)
     env.filters["num"] = rounded
+    env.filters["density"] = density
     env.filters["tok"] = visible_token
     env.filters["pct"] = lambda v, d=1: "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}%"
     env.filters["when"] = lambda t: "–" if t is None else f"{t:%Y-%m-%d %H:%M:%S} UTC"

@@ -1,7 +1,7 @@
 """How the pages people read write a token and a number: the run report, the feature card
 (``show --html``) and the web app show them alike.
 
-``featurehouse serve`` (``web.py``) imports these two too.
+``featurehouse serve`` (``web.py``) imports these too.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["visible_token", "rounded"]
+__all__ = ["visible_token", "rounded", "density"]
 
 
 def visible_token(token: str | None) -> str:
@@ -48,3 +48,14 @@ def rounded(v: Any, digits: int = 3) -> str:
     if abs(v) >= 1000:
         return f"{v:,.0f}"
     return f"{v:.{digits}g}"
+
+
+def density(v: Any) -> str:
+    """A firing density (a share of all tokens) as a percentage, as Neuronpedia's pages write
+    it: ``0.00335%``, not ``3.347874052815106e-05``; None as a dash."""
+    if v is None or isinstance(v, bool) or not isinstance(v, (numbers.Real, Decimal)):
+        return rounded(v)
+    v = float(v)
+    if math.isnan(v) or math.isinf(v):
+        return str(v)
+    return "0%" if v == 0 else f"{v * 100:.3g}%"

@@ -45,7 +45,7 @@ from ..config import Settings
 from ..lake import catalog_down
 from ..lake import warehouse as warehouse_mod
 from . import find
-from .text import rounded, visible_token
+from .text import density, rounded, visible_token
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["tok"] = visible_token
     env.filters["num"] = _round
+    env.filters["density"] = density
     env.filters["q"] = lambda s: quote(str(s), safe="")
 
     def page(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
