@@ -464,9 +464,8 @@ def _fit_status(columns: list[tuple[str, str]], rows: list[tuple], width: int) -
             v = r[index[h]]
             if h == "why" and v and len(v) > room:
                 v = v[: room - 1] + "…"
-            elif h == "run_id" and v and len(v) > run_id - 3:
-                keep = run_id - 4  # its head (the kind of run) and its tail (the time and the suffix)
-                v = v[: keep // 2] + "…" + v[len(v) - (keep - keep // 2):]
+            elif h == "run_id" and v:  # its head (the kind of run) and its tail (the time and the suffix)
+                v = _cut_middle(v, run_id - 3)
             cells.append(v)
         out.append(tuple(cells))
     return order, out
@@ -543,10 +542,29 @@ def _other_variables() -> list[dict[str, str]]:
     return rows
 
 
+def _cut_middle(v: str, room: int) -> str:
+    """``v`` in at most ``room`` characters, cut in its middle (a path's head and its end stay)."""
+    if len(v) <= room:
+        return v
+    keep = max(room - 1, 2)
+    return v[: keep // 2] + "…" + v[len(v) - (keep - keep // 2):]
+
+
+def _fit_config(rows: list[tuple], width: int) -> tuple[list[str], list[tuple]]:
+    """The config table for a terminal of ``width`` characters: setting, value and from (the
+    variables that set each are in --wide), a value cut in its middle when the line is short."""
+    rows = [r[:3] for r in rows]
+    need = [3 + max([len(h), 7] + [len(str(r[i])) for r in rows]) for i, h in enumerate(("setting", "value", "from"))]
+    room = max(20, width - 1 - need[0] - need[2] - 3)  # the value column's characters
+    return ["setting", "value", "from"], [(a, _cut_middle(str(b), room), c) for a, b, c in rows]
+
+
 @cli.command("config")
 @warehouse_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
-def config_cmd(warehouse, fmt) -> None:
+@click.option("--wide", is_flag=True, help="The variables that set each setting too, and every value whole "
+                                           "(by default, in a terminal, what fits it).")
+def config_cmd(warehouse, fmt, wide) -> None:
     """Every setting in effect, and where it came from (the command line, an environment
     variable, featurehouse.toml, the default): the warehouse's settings and the paths derived
     from them, what the nightly and inbox DAGs read from featurehouse.toml ($FEATUREHOUSE_CONFIG;
@@ -569,8 +587,14 @@ def config_cmd(warehouse, fmt) -> None:
     if fmt == "json":
         _print_json(rows)
     else:
-        _print_rows(["setting", "value", "from", "variables"], [tuple(r.values()) for r in rows], "table",
-                    max_rows=200)
+        heads, cells = ["setting", "value", "from", "variables"], [tuple(r.values()) for r in rows]
+        if not wide and sys.stdout.isatty():  # into a pipe or a file: every column whole, as status
+            import shutil
+
+            heads, cells = _fit_config(cells, shutil.get_terminal_size((120, 24)).columns)
+        _print_rows(heads, cells, "table", max_rows=200)
+        if len(heads) < 4:
+            click.echo("(the variables that set each: featurehouse config --wide, or --format json)")
     if problem:
         raise click.ClickException(problem)
 
@@ -1099,6 +1123,9 @@ def index_cmd(warehouse, full, fmt) -> None:
 def shell_cmd(warehouse, print_only) -> None:
     """Open the DuckDB CLI with the warehouse attached read-only.
 
+    Both install every DuckDB extension of featurehouse's wheels into its extension folder
+    (~/.cache/featurehouse/duckdb-extensions), where any DuckDB client finds them offline.
+
     The shell is your own DuckDB client, not a sandbox: the warehouse is attached READ_ONLY, but
     COPY ... TO, ATTACH and the file readers work as anywhere, and can write any file your user
     can, the warehouse's data files included. For queries you did not write yourself, or in
@@ -1106,8 +1133,13 @@ def shell_cmd(warehouse, print_only) -> None:
     """
     import shutil
 
+    from .lake.extensions import install_all
+
     settings = Settings.from_env(warehouse=warehouse)
     _open(settings, read_only=True).close()  # a clear error now, rather than one inside the shell
+    # every extension of the wheels in the folder a client names offline (docs/querying.md):
+    # httpfs too, for a publication over HTTPS or S3, though this warehouse never needed it
+    install_all()
     lines = warehouse_mod.attach_sql(settings, read_only=True)
     if print_only:
         click.echo("\n".join(lines))

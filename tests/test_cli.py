@@ -337,26 +337,27 @@ def test_verbose_after_the_command_too(warehouse):
     assert fh("fetch", "-v", "features", "--help").returncode == 0  # and after a group's name (review)
 
 
-def _status_table_in_a_terminal(wh: Path, columns: int) -> tuple[str, list[str], list[list[str]]]:
-    """`featurehouse status` as a terminal of ``columns`` shows it (tmux): the screen, the
-    table's headings and its rows' cells."""
+def _status_table_in_a_terminal(wh: Path, columns: int, command: str = "status",
+                                 last: str = "warehouse holds") -> tuple[str, list[str], list[list[str]]]:
+    """`featurehouse status` (or ``command``) as a terminal of ``columns`` shows it (tmux): the
+    screen, the table's headings and its rows' cells; ``last`` is what the command prints last."""
     import shutil
     import time
 
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed: the terminal's width is not tried")
-    sock = f"fh-{os.getpid()}-{columns}-{wh.parent.name}"
-    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", str(columns), "-y", "30",
-                    f"{FEATUREHOUSE} status --warehouse {wh}; sleep 30"], check=True)
+    sock = f"fh-{os.getpid()}-{columns}-{command}-{abs(hash(str(wh))) % 10**8}"
+    subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", str(columns), "-y", "100",
+                    f"{FEATUREHOUSE} {command} --warehouse {wh}; sleep 30"], check=True)
     try:
         deadline = time.monotonic() + 60
         screen = ""
-        while "warehouse holds" not in screen and time.monotonic() < deadline:
+        while last not in screen and time.monotonic() < deadline:
             time.sleep(0.3)
             screen = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p"], capture_output=True, text=True).stdout
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
-    assert "warehouse holds" in screen, screen
+    assert last in screen, screen
     table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
     assert table and max(len(ln) for ln in table) <= columns, screen
     heads = [c.strip() for c in table[1].split("│") if c.strip()]
@@ -439,6 +440,15 @@ def test_config_shows_what_the_dags_and_fetch_read_and_every_variable(tmp_path):
     assert sorted(v for v in used if f"${v}" not in shown) == []
     gone = fh("config", "--warehouse", str(tmp_path / "w"), env=env | {"FEATUREHOUSE_CONFIG": str(tmp_path / "no.toml")})
     assert gone.returncode == 1 and f"no config file at {tmp_path / 'no.toml'} (FEATUREHOUSE_CONFIG names it)" in gone.stderr
+    # in a terminal of 80 columns (review: the table was 166 wide): setting, value and from, a long
+    # value cut in its middle; the variables in --wide, and every column whole into a pipe
+    wide_value = str(tmp_path / ("a-long-warehouse-folder-name-" * 3) / "w")
+    screen, heads, rows = _status_table_in_a_terminal(Path(wide_value), 80, "config", "config --wide")
+    assert heads == ["setting", "value", "from"] and "featurehouse config --wide" in screen, screen
+    (shown,) = [r[1] for r in rows if r[0] == "warehouse"]
+    assert "…" in shown and shown.endswith("-name-/w") and wide_value.startswith(shown.split("…")[0]), shown
+    piped = fh("config", "--warehouse", wide_value, env=env)
+    assert wide_value in piped.stdout and "$FEATUREHOUSE_S3_ENDPOINT, $AWS_ENDPOINT_URL_S3" in piped.stdout
     toml.write_text(toml.read_text().replace("chunk_size = 250", "chunk_sise = 250"))
     broken = fh("config", "--warehouse", str(tmp_path / "w"), env=env)
     assert broken.returncode == 1 and "chunk_sise" in broken.stderr and "batch_bytes" in broken.stdout
