@@ -16,6 +16,11 @@ Each fenced block is an example, one test id per example (``page:line``), run fo
 - a block that shows what a command prints or a folder holds (:data:`OUTPUTS`, by name): what
   the program prints and the folder holds.
 
+A command written inline in a page's prose (`` `featurehouse show MODEL/SOURCE/INDEX` ``) names
+a real command and real options (click parses it); one with arguments and no stand-in left, of a
+command that reads or writes only the warehouse (:data:`INLINE_RUN`), runs as a shell example
+of its page, in the world its sentence says (:data:`INLINE_WORLDS`).
+
 Only what a reader puts in place of a stand-in is replaced (:data:`STAND_INS`): the feature
 API and the export bucket are a local fake Neuronpedia (``NEURONPEDIA_BASE_URL``,
 ``NEURONPEDIA_EXPORTS_URL``); a published folder is served on loopback. A page whose examples
@@ -36,6 +41,7 @@ import http.server
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -115,6 +121,19 @@ OUTPUTS = {
 
 SHELL_LANGS = ("", "sh", "bash", "shell", "console")
 
+#: Commands whose inline examples run (with arguments and no stand-in left): they read the
+#: warehouse, or write only it and its own folders (fetch, ingest, serve and migrate need more
+#: than a sentence gives; their blocks run).
+INLINE_RUN = ("by-token", "show", "similar", "search", "history", "changes", "index", "maintain", "publish",
+              "shell", "status", "sql", "report", "config", "materialise")
+#: Inline commands whose sentence runs them after something the samples do not hold: the world.
+INLINE_WORLDS = {
+    ("README.md", "featurehouse search 'comedian"): "rich",  # after the sentence's bench.find_source + ingest
+}
+#: Words in capitals that stand for what a reader gives (an inline command holding one is parsed,
+#: not run), beside :data:`STAND_INS`.
+PLACEHOLDER = re.compile(r"(?<![\w/$-])[A-Z][A-Z_]+(?:/[A-Z_]+)*(?![\w])|\.\.\.|s3://")
+
 
 # --- the examples --------------------------------------------------------------------------
 
@@ -135,12 +154,20 @@ class Example:
 
     @property
     def id(self) -> str:
-        return f"{self.page}:{self.line}"
+        return f"{self.page}:{self.line}" + (f":{-self.block % 1000}" if self.inline else "")
+
+    @property
+    def inline(self) -> bool:
+        """A command in a page's prose (its block: minus line × 1000 + its place on the line)."""
+        return self.block < 0
 
     @property
     def world(self) -> str:
         if self.kind == "shell" and "featurehouse migrate " in self.code:
             return "legacy"
+        if self.inline:
+            return next((w for (page, head), w in INLINE_WORLDS.items()
+                         if page == self.page and self.code.startswith(head)), "reader")
         return "rich" if self.page in RICH_PAGES else "reader"
 
     @property
@@ -192,7 +219,73 @@ def examples() -> list[Example]:
                         out.append(Example(rel, start + 1 + i, "shell", text, start, comment))
             else:
                 raise AssertionError(f"{rel}:{start}: a ```{lang} block: say how to run it in {__name__}")
+        out += _inline(page, rel)
     return out
+
+
+def _word(stand_in: str) -> str:
+    """The stand-in as a pattern, not matching inside a longer word (`DIR` in `CACHE_DIR`)."""
+    head = r"(?<![\w$])" if re.match(r"\w", stand_in) else ""
+    tail = r"(?!\w)" if re.search(r"\w$", stand_in) else ""
+    return head + re.escape(stand_in) + tail
+
+
+def _inline(page: Path, rel: str) -> list[Example]:
+    """The page's inline commands (`` `featurehouse ...` `` outside its blocks): ``shell`` when
+    they run (:data:`INLINE_RUN`), ``inline`` when they are only parsed."""
+    inside = {n for start, _, lines in _blocks(page) for n in range(start, start + len(lines) + 2)}
+    out = []
+    for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        if n in inside:
+            continue
+        for k, m in enumerate(re.finditer(r"`(featurehouse(?: [^`]*)?)`", line), 1):
+            code = m.group(1).replace("\\|", "|")  # a table cell's escaped bar
+            words = code.split()
+            held = re.sub("|".join(_word(w) for w in STAND_INS), "", code)
+            runs = (len(words) > 2 and words[1] in INLINE_RUN and not PLACEHOLDER.search(held)
+                    and _parse(code, complete=True) is None)
+            out.append(Example(rel, n, "shell" if runs else "inline", code, -(n * 1000 + k)))
+    return out
+
+
+def _parse(code: str, complete: bool = False) -> str | None:
+    """Why ``code`` (``featurehouse ...``) is not a command featurehouse has: a command, or an
+    option, that is not there; with ``complete``, a missing argument too. None when it parses."""
+    import click
+
+    from pipeline.cli import cli
+
+    try:
+        args = shlex.split(code)[1:]
+    except ValueError as exc:
+        return f"not a shell command: {exc}"
+    cmd, options, path = cli, set(), ["featurehouse"]
+    while True:  # down the groups to the command, each level's options allowed before the next word
+        options |= {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)} | {"--help", "-h"}
+        while args and args[0].startswith("-"):
+            word = args.pop(0).split("=", 1)[0]
+            if word not in options:
+                return f"{' '.join(path)} has no option {word}"
+            param = next((p for p in cmd.params if word in p.opts), None)
+            if param is not None and not getattr(param, "is_flag", False) and not param.count and "=" not in word and args:
+                args.pop(0)  # its value
+        if not isinstance(cmd, click.Group) or not args:
+            break
+        if re.fullmatch(r"[A-Z][A-Z_]+", args[0]):  # `featurehouse COMMAND --help`: stands for any
+            return None
+        sub = cmd.get_command(click.Context(cmd), args[0])
+        if sub is None:
+            return f"{' '.join(path)} has no command {args[0]!r}"
+        path.append(args.pop(0))
+        cmd = sub
+    if not complete:
+        return None
+    try:
+        with cmd.make_context(path[-1], list(args)) as _:  # the arguments, as the command would take them
+            pass
+    except (click.UsageError, click.exceptions.Exit) as exc:
+        return str(exc) or "exits early"
+    return None
 
 
 EXAMPLES = examples()
@@ -258,10 +351,19 @@ class Runner:
 
     @property
     def extension_dir(self) -> str:
+        """Where featurehouse installed the extensions, after the `featurehouse shell --print`
+        docs/querying.md says puts all of them there (httpfs too: a page's client attaches a
+        publication over HTTP, and nothing else here may have needed httpfs yet)."""
+        return self._once("extensions", self._extensions)
+
+    def _extensions(self) -> str:
         from pipeline.lake.extensions import extension_directory
 
+        got = _run([FEATUREHOUSE, "shell", "--print", "--warehouse", str(self.samples())], self.root, self.env())
+        assert got.returncode == 0, got.why()
         folder = extension_directory()
-        assert folder is not None and folder.is_dir(), "featurehouse has no extension folder here"
+        assert folder is not None and (folder / "v{}".format(__import__("duckdb").__version__)).is_dir(), \
+            "featurehouse has no extension folder here"
         return str(folder)
 
     def substitute(self, code: str) -> str:
@@ -468,12 +570,6 @@ print(json.dumps(con.execute(sys.argv[2]).fetchall()))
 """
 
 
-def _word(stand_in: str) -> str:
-    """The stand-in as a pattern, not matching inside a longer word (`DIR` in `CACHE_DIR`)."""
-    head = r"(?<![\w$])" if re.match(r"\w", stand_in) else ""
-    tail = r"(?!\w)" if re.search(r"\w$", stand_in) else ""
-    return head + re.escape(stand_in) + tail
-
 
 def _runs(e: Example) -> bool:
     """Whether the example is a run of its own (a toml block loads in the test; a folder
@@ -639,9 +735,30 @@ def test_every_fenced_block_is_an_example():
     nothing, or as a command: every block is accounted for."""
     for page in PAGES:
         rel = str(page.relative_to(ROOT))
-        starts = {e.block for e in EXAMPLES if e.page == rel}
+        starts = {e.block for e in EXAMPLES if e.page == rel and not e.inline}
         assert [s for s, _, _ in _blocks(page)] == sorted(starts), rel
-    assert {e.kind for e in EXAMPLES} == {"shell", "sql", "python", "toml", "output"}
+    assert {e.kind for e in EXAMPLES} == {"shell", "sql", "python", "toml", "output", "inline"}
+
+
+@pytest.mark.parametrize("example", [pytest.param(e, id=e.id) for e in EXAMPLES if e.inline])
+def test_an_inline_command_names_a_real_command_and_options(example):
+    """Review: the commands written in the pages' sentences were never tried; each names a command
+    featurehouse has, with options it takes (the ones that run: test_a_shell_command_exits_...)."""
+    why = _parse(example.code)
+    assert why is None, f"{example.id}: `{example.code}`: {why}"
+
+
+def test_the_inline_commands_that_run_are_the_ones_a_reader_can_paste():
+    """The rule picks what it should: a command with its own arguments runs, a command named
+    alone, or holding a stand-in of capitals, is parsed only."""
+    ran = {e.code for e in EXAMPLES if e.inline and e.kind == "shell"}
+    assert {"featurehouse by-token cpu --strip --ignore-case", "featurehouse shell --print",
+            "featurehouse show gpt-oss-20b/11-resid-post-aa/45698"} <= ran, ran
+    assert not ran & {"featurehouse status", "featurehouse show MODEL/SOURCE/INDEX", "featurehouse publish s3://bucket/sae"}
+    assert _parse("featurehouse serach x") == "featurehouse has no command 'serach'"
+    assert _parse("featurehouse search --limt 3 x") == "featurehouse search has no option --limt"
+    assert _parse("featurehouse fetch exports --bogus") == "featurehouse fetch exports has no option --bogus"
+    assert _parse("featurehouse -v fetch -v features --help") is None
 
 
 def test_every_skip_stand_in_and_output_names_something_on_the_pages():

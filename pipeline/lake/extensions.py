@@ -33,7 +33,7 @@ from ..config import Settings
 
 __all__ = [
     "WHEELS", "extension_path", "extension_directory", "new_connection", "load_extension", "extension_loaded",
-    "needed", "s3_extensions", "CONNECTION_CONFIG",
+    "needed", "s3_extensions", "CONNECTION_CONFIG", "install_all",
 ]
 
 log = logging.getLogger("featurehouse")
@@ -194,6 +194,15 @@ def _install(names: list[str], *, force: bool = False) -> dict[str, str]:
                 log.warning("cannot install DuckDB extensions into %s (%s): loading them from their wheels",
                             folder, exc)
         return {n: _INSTALLED[key, n] for n in names if (key, n) in _INSTALLED}
+
+
+def install_all() -> dict[str, str]:
+    """Install every extension whose wheel is here into this user's extension folder (those
+    already current are left): what any DuckDB client needs to open the warehouse or a
+    publication offline with ``SET extension_directory`` (ducklake, sqlite, postgres, httpfs, aws,
+    fts, vss). Returns the installed file of each; {} where there is no folder."""
+    have = [n for n in WHEELS if importlib.util.find_spec(WHEELS[n]) is not None]
+    return _install(have)
 
 
 # --- connections ---------------------------------------------------------------------------------
