@@ -15,6 +15,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -603,6 +604,46 @@ def test_a_publication_to_s3_killed_while_sending_leaves_the_one_there_whole(on_
     assert got["features"] == warehouse_rows(settings, "features", snap)
     assert got["explanations"] == warehouse_rows(settings, "explanations", snap)
     assert {t: int(got[f"n_{t}"][0][0]) for t in pub.DEFAULT_TABLES} == _counts(settings, snap)
+
+
+def test_files_over_the_part_size_go_up_in_parts_and_are_not_sent_again(on_s3, tmp_path, monkeypatch):
+    """Issue 42: the multipart road was never taken by a test (its part size is 64 MiB). With
+    parts of 64 KiB (moto told to take parts that small), every file over that goes up in parts:
+    S3's ETag is then the MD5 of the parts' MD5s ("-N"), which the next publication must compute
+    alike, or it would send every large file again each time; a reader gets the exact rows, and
+    no upload is left open."""
+    import moto.s3.models
+
+    settings, s3, bucket = on_s3
+    monkeypatch.setattr(publish_s3, "PART_SIZE", 64 * 1024)
+    monkeypatch.setattr(moto.s3.models, "S3_UPLOAD_PART_MIN_SIZE", 1)
+    stage, dest = tmp_path / "stage", f"s3://{bucket}/parts"
+    first = publish_s3.publish(settings, dest, stage=stage)
+    there = _objects(s3, bucket, "parts")
+    big = {k for k, (_, _, size) in there.items() if size > 64 * 1024}
+    assert pub.CATALOG_FILE in big, there  # the catalog too: its conditional completion included
+    assert all(re.search(r'-\d+"?$', there[k][0]) for k in big), {k: there[k][0] for k in big}
+    assert all(not re.search(r'-\d+"?$', v[0]) for k, v in there.items() if k not in big)
+    assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+    got = read_plain(_printed_attach(first), _all(pub.DEFAULT_TABLES), s3=_secret(s3))
+    for t in pub.DEFAULT_TABLES:
+        assert got[t] == warehouse_rows(settings, t, first.snapshot_id), t
+
+    caches = list(tmp_path.rglob(publish_s3.ETAGS))
+    assert caches
+    for cache in caches:  # no ETag kept from the upload: each one computed again from the file
+        cache.unlink()
+    with _puts(settings) as puts:
+        again = publish_s3.publish(settings, dest, stage=stage)
+    after = _objects(s3, bucket, "parts")
+    # what the same snapshot published again sends: its row of the publication table, the catalog
+    sent = {k.removeprefix("parts/") for k in puts}
+    assert sent == {k for k, _ in again.upload.sent} == (set(after) - set(there)) | {pub.CATALOG_FILE}, sent
+    assert all(k.startswith("data/main/publication/") for k in sent - {pub.CATALOG_FILE}), sent
+    assert {k: v for k, v in after.items() if k in there and k != pub.CATALOG_FILE} == \
+           {k: v for k, v in there.items() if k != pub.CATALOG_FILE}  # every large file kept, none sent again
+    assert again.upload.kept == len(there) - 1
+    assert again.upload.fetched == 0  # and none fetched back: the stage's files are the objects S3 holds
 
 
 def test_publish_to_s3_from_the_command_line(on_s3, tmp_path):
