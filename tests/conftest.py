@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import shutil
 from datetime import datetime
 from pathlib import Path
 
@@ -215,3 +216,23 @@ def _empty_warehouse(tmp_path):
     settings = Settings(warehouse=tmp_path / "wh")
     wh.connect(settings, create=True).close()
     return settings.warehouse
+
+
+#: The system's Chromium (apt's: .ci/run installs it), which Playwright drives in the browser tests.
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Chromium under Playwright, one per test module; a failure where it is missing (.ci/run
+    installs it): a browser test that skips would hold nothing."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: .ci/run installs it (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        yield b
+        b.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import html
 import math
 import re
-import shutil
 from decimal import Decimal
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from tests.conftest import SEED_NOT_A_PAGE, good_page, write
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 SHOTS = ROOT / "build" / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 KEY = "gpt-oss-20b/11-resid-post-aa/7"
 DENSITY = 3.347874052815106e-05
@@ -179,18 +177,6 @@ def test_the_card_rounds_its_numbers_as_the_report_does(card, warehouse):
 
 # --- the runs' index in a browser ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def chromium():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}: .ci/run installs it (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
-        yield b
-        b.close()
 
 
 _MEASURE = """() => {

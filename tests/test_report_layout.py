@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import html
 import re
-import shutil
 from pathlib import Path
 
 import orjson
@@ -31,7 +30,6 @@ from tests.fake_neuronpedia import MODEL, SOURCE, FakeNeuronpedia, feature_path,
 
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "build" / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 LONG_MODEL, LONG_SOURCE = "gemma-2-2b", "20-gemmascope-res-16k-canonical-l0-ultra-long-name"
 LONG_TOKENS = [" https://example.org/" + "path/" * 30 + "index.html", "x" * 150, "\n\n", "Ж" * 80]
@@ -241,18 +239,6 @@ def test_the_failures_chosen_to_list_are_those_with_the_lowest_numbers():
 
 # --- in a browser --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def chromium():
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"no Chromium at {CHROMIUM}: .ci/run installs it (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
-        yield b
-        b.close()
 
 
 #: Each box a reader sees, with how far it reaches and how wide its content is; for a table, the

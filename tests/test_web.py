@@ -8,7 +8,6 @@ Screenshots of each view go to build/screenshots/ (kept as the run's artefacts).
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,7 +23,6 @@ from tests.conftest import SEED_FLIGHT, good_page, query, run_ingest, write
 pytestmark = pytest.mark.xdist_group("web")
 ROOT = Path(__file__).resolve().parent.parent
 SHOTS = ROOT / "build" / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HOSTILE = "<script>window.__pwned = 1</script><img src=x onerror=\"window.__pwned = 2\">"
 ODD_MODEL, ODD_SOURCE = "lab/gpt 2%?", "3-res/16k α"
 
@@ -68,23 +66,11 @@ def served(tmp_path_factory):
     proc.wait(timeout=20)
 
 
-@pytest.fixture(scope="module")
-def browser():
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"no Chromium at {CHROMIUM}: .ci/run installs it (apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run", "--disable-quic"])
-        yield b
-        b.close()
 
 
 @pytest.fixture
-def page(browser):
-    ctx = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+def page(chromium):
+    ctx = chromium.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
     pg = ctx.new_page()
     dialogs: list[str] = []
     pg.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
