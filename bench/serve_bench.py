@@ -62,8 +62,11 @@ def main() -> None:
             "SELECT model_id, source_id, feature_index FROM activations GROUP BY ALL ORDER BY count(*) DESC, 3 LIMIT 1"
         ).fetchone()
         token = conn.execute("SELECT token FROM feature_token_stats ORDER BY max_activation DESC LIMIT 1").fetchone()[0]
+        # a word of a feature that has excerpts: its results show theirs (a page of results with
+        # none measured no excerpt lookup at all)
         word = conn.execute("SELECT split_part(trim(description), ' ', 1) FROM explanations "
-                            "WHERE description IS NOT NULL LIMIT 1").fetchone()[0]
+                            "SEMI JOIN activations USING (model_id, source_id, feature_index) "
+                            "WHERE description IS NOT NULL ORDER BY feature_index LIMIT 1").fetchone()[0]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
