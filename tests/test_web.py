@@ -340,3 +340,27 @@ def test_ids_holding_a_slash_or_a_percent_sign_have_their_pages(served, page):
     assert page.locator("h1").inner_text().startswith("Feature ")
     page.locator(f'a[href="/f/{m}/{s}/5/history"]').click()
     assert ODD_MODEL in page.content()
+
+
+@pytest.mark.parametrize("peaks", [
+    [], [None], [0.0, 0.0], [-1.0, -0.5], [1.0], [0.05, 0.1, 0.15, 0.5, 0.99, 1.0, None, -0.2],
+    [3.14159, 2.0, 0.31415, 0.0, 1e-9], [float(i) for i in range(37)],
+])
+def test_a_feature_pages_histogram_counts_as_the_sql_it_replaced(peaks):
+    """The feature page's histogram of its excerpts' peaks comes from the one read of its
+    excerpts (a second scan of activations cost ~20 ms a page at 262k): the counts the SQL gave."""
+    import duckdb
+
+    from pipeline.outputs.web import _bins
+
+    with duckdb.connect() as c:
+        c.execute("CREATE TABLE a (max_value DOUBLE)")
+        for v in peaks:
+            c.execute("INSERT INTO a VALUES (?)", [v])
+        rows = c.execute("""SELECT least(9, floor(max_value * 10 / m))::INT AS bin, count(*) AS n
+                            FROM a, (SELECT max(max_value) AS m FROM a) mx
+                            WHERE m > 0 AND max_value IS NOT NULL GROUP BY ALL ORDER BY 1""").fetchall()
+    want = [0] * 10
+    for b, n in rows:
+        want[max(0, b)] += n
+    assert _bins(peaks) == want

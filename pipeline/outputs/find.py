@@ -1267,14 +1267,18 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
                                     tokens[greatest(max_value_token_index - {int(context)}, 0) + 1 :
                                            max_value_token_index + {int(context)} + 1] AS tokens,
                                     "values"[greatest(max_value_token_index - {int(context)}, 0) + 1 :
-                                             max_value_token_index + {int(context)} + 1] AS "values"
+                                             max_value_token_index + {int(context)} + 1] AS "values",
+                                    list(max_value) OVER () AS every_peak
                              FROM activations WHERE {cond}
                              ORDER BY max_value DESC NULLS LAST, activation_id LIMIT {int(n_excerpts)}""", k)
     if not (feature or stats or explanations or excerpts):
         raise NoSuchFeature(f"{model}/{source}/{index} is not in the warehouse at {settings.warehouse}")
+    peaks = excerpts[0]["every_peak"] if excerpts else []  # every excerpt's, for a histogram (one scan)
     for e in excerpts:
         e["peak"] = (e["max_value_token_index"] - e["start"]) if e["max_value_token_index"] is not None else None
-    view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts)
+        del e["every_peak"]
+    view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts,
+                       extra={"peaks": peaks})
     try:
         with (Finder(settings) if finder is None else contextlib.nullcontext(finder)) as finder:
             view.neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else

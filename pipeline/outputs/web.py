@@ -137,6 +137,19 @@ def _rows(conn: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list
     return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
+def _bins(peaks: list[float | None]) -> list[int]:
+    """A feature's excerpts by their peak, in tenths of the largest (the first tenth takes what is
+    at or under 0; none when the largest is not over 0)."""
+    bins = [0] * 10
+    top = max((v for v in peaks if v is not None), default=None)
+    if top is None or not top > 0:
+        return bins
+    for v in peaks:
+        if v is not None and not math.isnan(v):
+            bins[max(0, min(9, math.floor(v * 10 / top)))] += 1
+    return bins
+
+
 def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     sid, t = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
                           "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
@@ -260,18 +273,10 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
                 view = find.show(settings, tuple(args), n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder)
                 captures = _rows(lake, "SELECT table_name, captured_at, run_id FROM feature_captures WHERE model_id = ? "
                                        "AND source_id = ? AND feature_index = ? ORDER BY table_name", args)
-                hist = _rows(lake, """SELECT least(9, floor(max_value * 10 / m))::INT AS bin, count(*) AS n
-                                      FROM activations, (SELECT max(max_value) AS m FROM activations WHERE model_id = $1
-                                           AND source_id = $2 AND feature_index = $3) mx
-                                      WHERE model_id = $1 AND source_id = $2 AND feature_index = $3 AND m > 0
-                                        AND max_value IS NOT NULL GROUP BY ALL ORDER BY 1""", args)
         except (find.NoSuchFeature, ValueError) as exc:
             return page("error.html.j2", status=404, message=str(exc), _t0=t0)
         top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
-        bins = [0] * 10
-        for h in hist:
-            if h["bin"] is not None:
-                bins[max(0, h["bin"])] += h["n"]
+        bins = _bins(view.extra.get("peaks") or [])
         return page("feature.html.j2", view=view, key=key, model=p["model"], source=p["source"], index=p["index"],
                     top=top, captures=captures, bins=bins, _t0=t0)
 
