@@ -50,10 +50,11 @@ BODY = """<p>The DAG run <b>{{ run_id }}</b> of <b>{{ dag.dag_id }}</b> failed{%
 try {{ ti.try_number }}: <a href="{{ ti.log_url }}">its log</a>.</p>{% endif %}
 {% if featurehouse_error is defined and featurehouse_error %}<p>Its error:</p>
 <pre>{{ featurehouse_error | e }}</pre>{% endif %}
-{% if featurehouse_run_id is defined %}<p>If the night got as far as loading, its run in the warehouse is <b>{{ featurehouse_run_id }}</b>:
-<code>featurehouse status</code> and <code>featurehouse report --run {{ featurehouse_run_id }}</code> say what it loaded and why
+{% set wh = (" --warehouse " ~ featurehouse_warehouse) if featurehouse_warehouse is defined and featurehouse_warehouse else "" %}
+{% if featurehouse_run_id is defined %}<p>If the night got as far as loading, its run in the warehouse{% if wh %} {{ featurehouse_warehouse }}{% endif %} is <b>{{ featurehouse_run_id }}</b>:
+<code>featurehouse status{{ wh }}</code> and <code>featurehouse report --run {{ featurehouse_run_id }}{{ wh }}</code> say what it loaded and why
 it is not PASS (they answer "no run" when it stopped before loading: then the error above is all there is).</p>
-{% else %}<p>If the run got as far as loading, <code>featurehouse status</code> and its report say what it loaded and why it is not PASS.</p>{% endif %}"""
+{% else %}<p>If the run got as far as loading, <code>featurehouse status{{ wh }}</code> and its report say what it loaded and why it is not PASS.</p>{% endif %}"""
 """The mail's body: the run, the task that failed it with its error and log, and where the
 warehouse's own account of the run is, when there is one."""
 
@@ -185,6 +186,11 @@ def failure_notifier(config: dict):
 
                 context["featurehouse_run_id"] = run_id_for(run_key(context), context["dag"].dag_id)
             except Exception:  # noqa: BLE001 - a mail without it beats no mail
+                pass
+            try:  # the warehouse the tasks load (review: the mail's commands named none)
+                path = config_path()
+                context["featurehouse_warehouse"] = str(_warehouse_dir(read_config(path), path))
+            except Exception:  # noqa: BLE001
                 pass
             super().render_template_fields(context, jinja_env)
 

@@ -476,7 +476,8 @@ def _fit_status(columns: list[tuple[str, str]], rows: list[tuple], width: int) -
 @click.option("-n", "--limit", default=10, show_default=True, type=click.IntRange(min=1), help="How many recent runs.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
               help="A table and the warehouse's totals, or the runs as one JSON list on stdout (every "
-                   "runs column, seconds, verdict, verdict_reason).")
+                   "runs column, seconds, verdict, verdict_reason, and what the failure counts are out of: "
+                   "n_fetch_counted, the URLs that landed or failed (a 404 is neither), and n_records_read).")
 @click.option("--wide", is_flag=True, help="Every count in the table (by default the columns that fit the terminal).")
 def status_cmd(warehouse, limit, fmt, wide) -> None:
     """Show recent runs, their verdicts (PASS, WARN, FAIL, and why when not PASS) and counts.
@@ -493,9 +494,10 @@ def status_cmd(warehouse, limit, fmt, wide) -> None:
             from .outputs.report import out_of
 
             # with what each failure count is out of, as the table's "N of M" (review: a script
-            # could not rebuild "50 of 100 URLs" from n_fetch_failed alone)
+            # could not rebuild "50 of 100 URLs" from n_fetch_failed alone); not "requested": a URL
+            # answered 404 is counted in neither (review: 200 "requested" beside 802 not found)
             _print_json([{k: v for k, v in r.items() if k != "verdict"}
-                         | {"n_fetch_requested": out_of(r)["n_fetch_failed"], "n_records_read": out_of(r)["n_quarantined"],
+                         | {"n_fetch_counted": out_of(r)["n_fetch_failed"], "n_records_read": out_of(r)["n_quarantined"],
                             "verdict": r["verdict"].level, "verdict_reason": r["verdict"].reason} for r in runs])
             return
         columns = [(h, c) for h, c in _STATUS_COLUMNS if wide or h in _STATUS_NARROW]

@@ -181,7 +181,9 @@ def test_a_failed_run_mails_the_operator_from_a_bundle_that_finds_its_config_fro
     body = mail.get_body(("html",)).get_content()
     assert "featurehouse_inbox" in body and "<b>drain</b>" in body and "featurehouse status" in body
     (warehouse_run,) = q(site / "wh", "SELECT run_id FROM runs")[0]  # the id status and reports name it by
-    assert f"featurehouse report --run {warehouse_run}" in body, body
+    # with the warehouse the tasks loaded, the Variable's file's (review: the commands named none)
+    assert f"featurehouse report --run {warehouse_run} --warehouse {site / 'wh'}" in body, body
+    assert f"featurehouse status --warehouse {site / 'wh'}" in body, body
     # the failed task's own error, not only a link to its log
     assert "AirflowFailException: inbox run" in body and "verdict FAIL" in body, body
 

@@ -405,7 +405,7 @@ def test_ingest_and_status_give_one_duration(tmp_path):
     (row,) = json.loads(fh("status", "--warehouse", str(wh), "--format", "json").stdout)
     assert abs(row["seconds"] - out["seconds"]) < 0.25, (row["seconds"], out["seconds"])
     # what the table's failure counts are out of (review): 2 inputs asked for, 42 records read
-    assert (row["n_fetch_requested"], row["n_records_read"]) == (2, 42), row
+    assert (row["n_fetch_counted"], row["n_records_read"]) == (2, 42), row
     # and that duration is the whole run's, its report included (review: it ended before the report)
     import datetime
 
