@@ -270,6 +270,8 @@ def test_a_catalog_said_read_only_while_being_made_is_looked_at_again(tmp_path, 
     name is taken. Looked at again, the probe attaches anew, on its own connection or on the one
     being opened (the second once failed with "catalog_probe already exists", said as a damaged
     catalog to move away)."""
+    from pipeline.lake import catalog
+
     settings = Settings(warehouse=tmp_path / "wh")
     run_ingest([SEED_FLIGHT], settings)
     probe, calls = wh._probe_catalog, []
@@ -281,7 +283,7 @@ def test_a_catalog_said_read_only_while_being_made_is_looked_at_again(tmp_path, 
             raise duckdb.IOException("attempt to write a readonly database")
         return probe(conn, path)
 
-    monkeypatch.setattr(wh, "_probe_catalog", once_read_only)
+    monkeypatch.setattr(catalog, "_probe_catalog", once_read_only)  # its room: what _catalog_state calls
     conn = None if own_connection else wh._duckdb(["sqlite_scanner"])
     assert wh._catalog_state(settings, conn) == (True, f"{settings.warehouse / 'data'}/")
     assert len(calls) == 2

@@ -142,14 +142,15 @@ def test_maintain_refuses_to_delete_outside_the_warehouses_data_folder(wh, tmp_p
     refuses and deletes nothing, rather than delete the original's files."""
     from datetime import timedelta
 
+    from pipeline.lake import connect as connect_mod
     from pipeline.lake import maintain as maintain_mod
-    from pipeline.lake import warehouse
 
     before = parquet(wh / "data")
     copy = tmp_path / "copy"
     shutil.copytree(wh, copy, symlinks=True)
-    attach = warehouse._attach
-    monkeypatch.setattr(warehouse, "_attach", lambda conn, settings, opts: attach(
+    attach = connect_mod._attach
+    # _open calls _attach in its own room (connect.py): the name on the warehouse facade is not what it calls
+    monkeypatch.setattr(connect_mod, "_attach", lambda conn, settings, opts: attach(
         conn, settings, [o for o in opts if not o.startswith(("DATA_PATH", "OVERRIDE_DATA_PATH"))]))
 
     with pytest.raises(Exception, match="data files in .*copy/data/, but its lake is open on .*/wh/data/"):
