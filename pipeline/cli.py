@@ -139,8 +139,22 @@ def _unique_names(cols: list[str]) -> list[str]:
     return out
 
 
-def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40, max_width: int = 10_000) -> None:
-    """Rows as a table (DuckDB's own rendering), CSV or JSON on stdout."""
+def _terminal_width() -> int | None:
+    """The terminal's columns when stdout is one; None into a pipe or a file (then tables are
+    printed whole, for grep and ``less -S``)."""
+    if not sys.stdout.isatty():
+        return None
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+def _print_rows(cols: list[str], rows: list[tuple], fmt: str, max_rows: int = 40, max_width: int | None = None) -> None:
+    """Rows as a table (DuckDB's own rendering), CSV or JSON on stdout. The table fits the
+    terminal as DuckDB's own CLI fits it (long values cut, middle columns left out, said below
+    it) unless ``max_width`` is given; into a pipe, whole."""
+    if max_width is None:
+        max_width = _terminal_width() or 10_000
     if fmt != "csv":
         cols = _unique_names(cols)
     if fmt == "csv":
@@ -384,8 +398,8 @@ def sql_cmd(query, warehouse, fmt, max_rows) -> None:
         rel = conn.sql(query)
         if rel is None:
             return
-        if fmt == "table":
-            rel.show(max_rows=max_rows, max_width=10_000)
+        if fmt == "table":  # in a terminal, as wide as it is (review: a row of 700 columns wrapped)
+            rel.show(max_rows=max_rows, max_width=_terminal_width() or 10_000)
             return
         _print_rows(rel.columns, rel.fetchall(), fmt)
     except warehouse_mod.RefusedQuery as exc:
@@ -770,8 +784,12 @@ def materialise_cmd(warehouse, run_id) -> None:
     settings = Settings.from_env(warehouse=warehouse)
     with _open(settings) as conn:
         r = materialise.refresh(conn, settings, run_id)
-    click.echo(f"refreshed {r.feature_stats_rows} feature stats rows over {r.n_features} features "
-               f"and {r.source_stats_rows} source stats rows over {r.n_sources} sources")
+    rows = (f"{r.feature_stats_rows} feature stats rows over {r.n_features} features "
+            f"and {r.source_stats_rows} source stats rows over {r.n_sources} sources")
+    if r.unchanged:  # (review: "refreshed" when nothing was written)
+        click.echo(f"unchanged: the {rows} already hold what they would be computed as; nothing committed")
+    else:
+        click.echo(f"refreshed {rows}")
 
 
 @cli.command("history")
@@ -938,13 +956,32 @@ def _print_found(found, fmt: str, widths: dict[str, int] | None = None, empty: s
             limit = widths.get(col, 60)
             return text if len(text) <= limit else text[: limit - 1] + "…"
 
-        cells = [[cell(c, v) for c, v in zip(found.columns, r)] for r in found.rows]
-        sizes = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(found.columns)]
-        click.echo("  ".join(c.ljust(n) for c, n in zip(found.columns, sizes)).rstrip())
+        cols = list(found.columns)
+        cells = [[cell(c, v) for c, v in zip(cols, r)] for r in found.rows]
+        sizes = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+        width, dropped = _terminal_width(), 0
+        # in a terminal (review: rows wrapped at 80 columns): the description gives way, to 20
+        # characters; then the columns right of it go, from the right (the feature's key stays)
+        while width and sum(sizes) + 2 * (len(sizes) - 1) > width:
+            others = sum(sizes) - (sizes[cols.index("description")] if "description" in cols else 0) + 2 * (len(sizes) - 1)
+            if "description" in cols and widths.get("description", 60) > 20 and width - others < sizes[cols.index("description")]:
+                widths = {**widths, "description": max(20, width - others)}
+            else:
+                keep = ("model_id", "source_id", "feature_index", "description")
+                gone = next((i for i in range(len(cols) - 1, -1, -1) if cols[i] not in keep), None)
+                if gone is None:
+                    break
+                cols.pop(gone)
+                dropped += 1
+            cells = [[cell(c, r[found.columns.index(c)]) for c in cols] for r in found.rows]
+            sizes = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+        click.echo("  ".join(c.ljust(n) for c, n in zip(cols, sizes)).rstrip())
         for r in cells:
             click.echo("  ".join(v.ljust(n) for v, n in zip(r, sizes)).rstrip())
         if not found.rows:
             click.echo(empty)
+        elif dropped:
+            click.echo(f"({dropped} more column(s): a wider terminal, or --format csv or json)")
     if found.note:
         click.echo(f"note: {found.note}", err=True)
 

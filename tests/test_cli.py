@@ -341,6 +341,17 @@ def _status_table_in_a_terminal(wh: Path, columns: int, command: str = "status",
                                  last: str = "warehouse holds") -> tuple[str, list[str], list[list[str]]]:
     """`featurehouse status` (or ``command``) as a terminal of ``columns`` shows it (tmux): the
     screen, the table's headings and its rows' cells; ``last`` is what the command prints last."""
+    screen = _in_a_terminal(wh, columns, command, last)
+    table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
+    assert table and max(len(ln) for ln in table) <= columns, screen
+    heads = [c.strip() for c in table[1].split("│") if c.strip()]
+    rows = [[c.strip() for c in ln.split("│") if c.strip()] for ln in table[3:] if ln.startswith("│")]
+    return screen, heads, rows
+
+
+def _in_a_terminal(wh: Path, columns: int, command: str, last: str) -> str:
+    """What `featurehouse COMMAND --warehouse WH` leaves on a terminal of ``columns`` (tmux), once
+    ``last`` is on it."""
     import shutil
     import time
 
@@ -348,21 +359,17 @@ def _status_table_in_a_terminal(wh: Path, columns: int, command: str = "status",
         pytest.skip("tmux is not installed: the terminal's width is not tried")
     sock = f"fh-{os.getpid()}-{columns}-{command}-{abs(hash(str(wh))) % 10**8}"
     subprocess.run(["tmux", "-L", sock, "new-session", "-d", "-x", str(columns), "-y", "100",
-                    f"{FEATUREHOUSE} {command} --warehouse {wh}; sleep 30"], check=True)
+                    f"{FEATUREHOUSE} {command} --warehouse {wh}; echo '(the command ended)'; sleep 30"], check=True)
     try:
         deadline = time.monotonic() + 60
         screen = ""
-        while last not in screen and time.monotonic() < deadline:
+        while not (last in screen and "(the command ended)" in screen) and time.monotonic() < deadline:
             time.sleep(0.3)
             screen = subprocess.run(["tmux", "-L", sock, "capture-pane", "-p"], capture_output=True, text=True).stdout
     finally:
         subprocess.run(["tmux", "-L", sock, "kill-server"], capture_output=True)
-    assert last in screen, screen
-    table = [ln for ln in screen.splitlines() if ln.startswith(("┌", "│", "└"))]
-    assert table and max(len(ln) for ln in table) <= columns, screen
-    heads = [c.strip() for c in table[1].split("│") if c.strip()]
-    rows = [[c.strip() for c in ln.split("│") if c.strip()] for ln in table[3:] if ln.startswith("│")]
-    return screen, heads, rows
+    assert last in screen and "(the command ended)" in screen, screen
+    return screen.replace("(the command ended)", "")
 
 
 def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
@@ -381,6 +388,28 @@ def test_status_fits_a_terminal_and_wide_shows_every_count(warehouse):
         screen, heads, _ = _status_table_in_a_terminal(wh, columns)
         assert {"run_id", "verdict", "why"} <= set(heads) and "…" not in heads, heads
         assert "│ 1 of 2 input(s)" in screen  # the why, cut to the line, still says it
+
+
+def test_sql_and_find_answers_fit_the_terminal_and_are_whole_in_a_pipe(warehouse):
+    """Review: at 80 columns the README's `sql "SELECT * FROM feature_activation_stats ..."` printed
+    rows ~700 characters long that wrapped into noise, and search's long descriptions wrapped.
+    In a terminal, a table is as wide as it (DuckDB's own CLI's way: long values cut, the middle
+    columns left out and counted below); a description gives way; into a pipe, all of it."""
+    wh, _ = warehouse
+    sql = "sql 'SELECT * FROM feature_activation_stats'"
+    screen = _in_a_terminal(wh, 80, sql, "shown)")
+    lines = [ln for ln in screen.splitlines() if ln.strip()]
+    assert max(len(ln) for ln in lines) <= 80, screen
+    assert re.search(r"\d+ columns \(\d+ shown\)", screen), screen
+    piped = fh("sql", "SELECT * FROM feature_activation_stats", "--warehouse", str(wh)).stdout
+    assert "shown)" not in piped and "top_tokens" in piped and max(len(ln) for ln in piped.splitlines()) > 80
+
+    search = "search cpu"
+    screen = _in_a_terminal(wh, 80, f"{search} --refresh", "description")
+    assert max(len(ln) for ln in screen.splitlines()) <= 80, screen
+    assert "gpt-oss-20b" in screen and "more column(s)" in screen, screen  # the key stays, what went is said
+    piped = fh(*search.split(), "--warehouse", str(wh)).stdout
+    assert max(len(ln) for ln in piped.splitlines()) > 80 and "more column" not in piped, piped
 
 
 def test_status_at_80_columns_keeps_the_verdict_of_a_run_with_a_long_id(tmp_path):

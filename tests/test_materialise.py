@@ -191,9 +191,27 @@ def test_a_refresh_that_changes_nothing_commits_nothing(tmp_path):
         n = snapshots()
         r = refresh(conn, settings)
         assert (r.n_features, r.n_sources, r.feature_stats_rows) == (2, 1, 6) and r.source_stats_rows > 0
-        assert snapshots() == n, "a refresh that changed nothing made a snapshot"
+        assert r.unchanged and snapshots() == n, "a refresh that changed nothing made a snapshot"
         conn.execute("UPDATE feature_activation_stats SET max_activation = -1 WHERE feature_index = 7")
         n = snapshots()
-        refresh(conn, settings)
+        assert not refresh(conn, settings).unchanged
         assert snapshots() == n + 1
         assert conn.execute("SELECT min(max_activation) FROM feature_activation_stats").fetchone()[0] > 0
+
+
+def test_the_command_says_when_the_statistics_were_already_as_computed(tmp_path):
+    """Review: `featurehouse materialise` said "refreshed 202 feature stats rows" when nothing
+    changed and nothing was committed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    settings, _ = _load(tmp_path)
+    fh = [str(Path(sys.executable).parent / "featurehouse"), "materialise", "--warehouse", str(settings.warehouse)]
+    same = subprocess.run(fh, capture_output=True, text=True)
+    assert same.returncode == 0 and same.stdout.startswith("unchanged: the 6 feature stats rows over 2 features"), same
+    assert "nothing committed" in same.stdout and "refreshed" not in same.stdout
+    with connect(settings) as conn:
+        conn.execute("UPDATE feature_activation_stats SET max_activation = -1 WHERE feature_index = 7")
+    changed = subprocess.run(fh, capture_output=True, text=True)
+    assert changed.returncode == 0 and changed.stdout.startswith("refreshed 6 feature stats rows over 2 features"), changed

@@ -1319,7 +1319,7 @@ def _render_text(view: FeatureView) -> str:
     for s in view.stats:
         out.append(f"  {s['data_source'] or '(no data source)'}: {s['n_examples']} excerpts, "
                    f"max {rounded(s['max_activation'])}, mean peak {rounded(s['mean_max_activation'])}, "
-                   f"active tokens {rounded(s['n_active_tokens'])} ({rounded(s['active_token_fraction'])}), "
+                   f"active tokens {rounded(s['n_active_tokens'])} ({density(s['active_token_fraction'])} of its excerpts' tokens), "
                    f"top tokens {s['top_tokens']}")
     if not view.stats:
         out.append("  (no activations loaded)")
@@ -1378,6 +1378,7 @@ td.num, th.num {{ text-align: right; font-variant-numeric: tabular-nums; }}
 /* as serve's pages: tokens written with ␣ hold no space to wrap at, so an excerpt, a cell or a
    line of text breaks anywhere rather than reach past the window */
 td, li, p, .excerpt {{ overflow-wrap: anywhere; }}
+td.nowrap {{ white-space: nowrap; overflow-wrap: normal; }}
 .excerpt-head {{ font-size: 13px; color: #555; }} .hint {{ font-size: 13px; color: #555; }}
 .tok {{ border-radius: 2px; unicode-bidi: isolate; }} bdi, code {{ unicode-bidi: isolate; }} .peak {{ outline: 2px solid #b3261e; }}
 .note {{ color: #8a5a00; }}
@@ -1420,7 +1421,7 @@ td, li, p, .excerpt {{ overflow-wrap: anywhere; }}
     parts.append("<h2>Nearest features</h2><table class=\"neighbours\"><tr><th>feature</th><th class=\"num\">similarity</th>"
                  "<th>basis</th><th>description</th></tr>")
     for m, s, i, sim, basis, d in (view.neighbours.rows if view.neighbours is not None else []):
-        parts.append(f"<tr><td>{bdi(f'{m}/{s}/{i}')}</td><td class=\"num\">{esc(num(sim))}</td><td>{esc(basis)}</td>"
+        parts.append(f"<tr><td>{bdi(f'{m}/{s}/{i}')}</td><td class=\"num\">{esc(num(sim))}</td><td class=\"nowrap\">{esc(basis)}</td>"
                      f"<td>{bdi((d or '').strip())}</td></tr>")
     if view.neighbours is None or not view.neighbours.rows:
         parts.append('<tr><td colspan="4">(no other feature to compare it with)</td></tr>')

@@ -649,8 +649,9 @@ def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None
     if len(h):
         chart("frac_nonzero", lambda: _svg(
             alt.Chart(h).mark_bar(color="#54a24b", stroke="white", strokeWidth=0.5).encode(
-                x=alt.X("start:Q", title="frac_nonzero (log scale)",
-                        scale=alt.Scale(type="log"), axis=alt.Axis(format=".0e", values=_log_ticks(h))),
+                # a percentage of tokens, as the tables write it (review: "frac_nonzero", 3e-5)
+                x=alt.X("start:Q", title="firing density, % of tokens (log scale)", scale=alt.Scale(type="log"),
+                        axis=alt.Axis(values=_log_ticks(h), labelExpr="format(datum.value * 100, '.2~r') + '%'")),
                 x2="end:Q",
                 y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
                 y2=alt.datum(0),
@@ -732,7 +733,11 @@ def _log_ticks(h) -> list[float]:
     first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     mults = (1,) if last - first > 3 else (1, 2, 5)
     ticks = [m * 10.0**e for e in range(first, last + 1) for m in mults if lo <= m * 10.0**e <= hi]
-    return ticks or [lo, hi]
+    if ticks:
+        return ticks
+    # none inside: the ends, when far enough apart not to print one over the other (review:
+    # "3e-5" over "4e-5" read "34e55"), else the lower
+    return [lo, hi] if hi >= 3 * lo else [lo]
 
 
 def _int_ticks(top: float, most: int = 4) -> list[int]:

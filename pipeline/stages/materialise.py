@@ -22,6 +22,8 @@ class MaterialiseResult:
     n_sources: int
     feature_stats_rows: int
     source_stats_rows: int
+    unchanged: bool = False
+    """The tables already held what it computed: nothing was committed (no new snapshot)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -88,7 +90,7 @@ def _as_computed(conn: duckdb.DuckDBPyConnection) -> MaterialiseResult | None:
         (n_f,) = conn.execute(f"SELECT count(*) FROM (SELECT DISTINCT {_KEY} FROM changed_features)").fetchone()
         (n_s, r_s) = conn.execute("SELECT count(DISTINCT (model_id, source_id)), count(*) "
                                   "FROM new_source_activation_stats").fetchone()
-        return MaterialiseResult(n_f, n_s, r_f, r_s)
+        return MaterialiseResult(n_f, n_s, r_f, r_s, unchanged=True)
     finally:
         forget_computed(conn)
         conn.execute("DROP TABLE IF EXISTS temp.main.new_source_activation_stats")
