@@ -39,6 +39,17 @@ def _write_bucket(objects: dict[str, bytes], folder: Path, *, plain: bool) -> No
             (folder / name.removesuffix(".gz")).write_bytes(gzip.decompress(body))
         else:
             (folder / name).write_bytes(body)
+def _on_each_road(objects: dict, tmp_path: Path):
+    """The bucket ingested on each road, the gzip one then the plain one (every batch written
+    out as ``.jsonl``), each into its own warehouse: ``(road, settings, summary)``."""
+    from pipeline.config import Settings
+
+    for road in ("gzip", "plain"):
+        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
+        settings = Settings(warehouse=tmp_path / road / "wh")
+        yield road, settings, run_ingest([tmp_path / road / "in"], settings)
+
+
 
 
 def _rows(wh: Path, table: str) -> list[tuple]:
@@ -526,7 +537,6 @@ _RAW_DAMAGES = {
 
 @pytest.mark.parametrize("damage", list(_RAW_DAMAGES))
 def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage):
-    from pipeline.config import Settings
 
     change, loads, check = _RAW_DAMAGES[damage]
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
@@ -536,10 +546,7 @@ def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage)
     assert lines[4] != _activation_lines(objects)[1][4], "the damage applies to the generator's lines"
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     seen = {}
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        summary = run_ingest([tmp_path / road / "in"], settings)  # never a crash of the run
+    for road, settings, summary in _on_each_road(objects, tmp_path):  # never a crash of the run
         assert summary.n_rejected == 0, (road, summary.rejected)
         loaded = {i: extra for i, extra in query(settings.warehouse, "SELECT activation_id, extra FROM activations")}
         assert (damaged_id in loaded) is loads and len(loaded) == 11 + loads, road
@@ -552,7 +559,6 @@ def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage)
 def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(tmp_path, monkeypatch):
     """Lines the Python road finds no records (a bad index) count toward the limit on the gzip
     road as on the plain road, and so do lines that are no JSON (the plain road skipped its count)."""
-    from pipeline.config import Settings
     from pipeline.stages import parse, stage
 
     monkeypatch.setattr(stage, "MAX_BAD_LINES", 3)
@@ -565,10 +571,7 @@ def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(t
         lines[i] = orjson.dumps(row)
     lines[7] = b"not json at all"
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        summary = run_ingest([tmp_path / road / "in"], settings)
+    for road, _settings, summary in _on_each_road(objects, tmp_path):
         assert summary.n_rejected == 1 and summary.n_activations == 0, road
         [reason] = [r["reason"] for r in summary.rejected]
         assert reason.startswith("more than 3 of its lines are no records (the first: line 2"), (road, reason)
@@ -578,7 +581,6 @@ def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(t
 def test_a_boolean_field_holding_text_or_a_number_has_one_outcome_on_every_road(tmp_path, value):
     """DuckDB's typed read took "true" and 1 as hasVector true; the Python road keeps only JSON
     true/false. The line now takes the Python road: has_vector is NULL on both."""
-    from pipeline.config import Settings
 
     objects = build_bucket(small_pages(range(0, 4), n_activations=1), producer="a")
     key = next(k for k in objects if "/features/" in k)
@@ -587,10 +589,7 @@ def test_a_boolean_field_holding_text_or_a_number_has_one_outcome_on_every_road(
     lines[2] = lines[2].replace(b'"hasVector":false', b'"hasVector":' + value)
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     seen = {}
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        run_ingest([tmp_path / road / "in"], settings)
+    for road, settings, _summary in _on_each_road(objects, tmp_path):
         seen[road] = query(settings.warehouse, "SELECT feature_index, has_vector FROM features ORDER BY 1")
     assert seen["gzip"] == seen["plain"] == [(0, False), (1, False), (2, None), (3, False)]
 
@@ -611,7 +610,6 @@ def test_unknown_fields_one_name_in_two_cases_are_kept_on_every_road(tmp_path, c
     (a page with "Foo" and "foo" keeps both). DuckDB's columns are one name in any case: the
     gzip road made one spelling a column and lost the other's values from ``extra``, where the
     plain road kept both."""
-    from pipeline.config import Settings
 
     objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
     files = {n: list(_activation_lines(objects, n)) for n in (0, 1)}
@@ -624,10 +622,7 @@ def test_unknown_fields_one_name_in_two_cases_are_kept_on_every_road(tmp_path, c
     for key, lines in files.values():
         objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     seen = {}
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        summary = run_ingest([tmp_path / road / "in"], settings)
+    for road, settings, summary in _on_each_road(objects, tmp_path):
         assert (summary.n_rejected, summary.n_quarantined, summary.n_activations) == (0, 0, 24), road
         extras = {i: orjson.loads(extra) for i, extra in query(settings.warehouse,
                                                                 "SELECT activation_id, extra FROM activations")}
@@ -641,7 +636,6 @@ def test_a_field_that_only_later_lines_carry_is_kept_on_every_road(tmp_path, mon
     """The gzip road takes an activation file's columns from its first lines
     (``_ACTIVATION_KEY_LINES``, 3 here): a field first carried after them, or another spelling
     of one of theirs, was lost from ``extra`` there, where the plain road kept it."""
-    from pipeline.config import Settings
     from pipeline.stages import stage
 
     monkeypatch.setattr(stage, "_ACTIVATION_KEY_LINES", 3)
@@ -654,10 +648,7 @@ def test_a_field_that_only_later_lines_carry_is_kept_on_every_road(tmp_path, mon
         expected[row["id"]] = {name: at}
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     seen = {}
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        summary = run_ingest([tmp_path / road / "in"], settings)
+    for road, settings, summary in _on_each_road(objects, tmp_path):
         assert (summary.n_rejected, summary.n_quarantined, summary.n_activations) == (0, 0, 12), road
         extras = {i: orjson.loads(extra) for i, extra in query(settings.warehouse,
                                                                 "SELECT activation_id, extra FROM activations")}
@@ -682,7 +673,6 @@ def test_a_key_twice_in_an_object_inside_an_export_line_has_one_outcome_on_every
     """Only the line's own keys were checked: DuckDB kept both copies in the JSON text it stored
     (``{"k":1,"k":2}``), the plain road the last (``{"k":2}``). Such a line is no record on
     every road, as one whose own key is written twice; the rest of its file loads."""
-    from pipeline.config import Settings
 
     table, change = _NESTED_REPEATS[where]
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
@@ -692,10 +682,7 @@ def test_a_key_twice_in_an_object_inside_an_export_line_has_one_outcome_on_every
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     id_column = {"activations": "activation_id", "explanations": "explanation_id"}[table]
     seen = {}
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        summary = run_ingest([tmp_path / road / "in"], settings)
+    for road, settings, summary in _on_each_road(objects, tmp_path):
         assert summary.n_rejected == 0, (road, summary.rejected)
         [(record_key, check, detail)] = query(settings.warehouse, "SELECT record_key, check_name, detail FROM quarantine")
         assert (record_key, check) == (orjson.loads(lines[2])["id"], "export_line_is_a_record"), road
@@ -895,17 +882,13 @@ def test_a_later_line_holding_a_pages_own_key_refuses_the_file_on_every_road(tmp
     """Helper-14 found it: a later line of an activation file holding "model", "source" or
     "sourceSet" loaded on the gzip road without that field, where the plain road refused the file
     as pages mixed with export rows. Both refuse it now, for the same reason."""
-    from pipeline.config import Settings
 
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
     key, lines = _activation_lines(objects)
     lines[5] = b"{" + page_key + b"," + lines[5][1:]
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
     reasons = {}
-    for road in ("gzip", "plain"):
-        _write_bucket(objects, tmp_path / road / "in", plain=road == "plain")
-        settings = Settings(warehouse=tmp_path / road / "wh")
-        summary = run_ingest([tmp_path / road / "in"], settings)
+    for road, _settings, summary in _on_each_road(objects, tmp_path):
         assert summary.n_rejected == 1 and summary.n_activations == 0, (road, summary.n_activations)
         reasons[road] = [r["reason"] for r in summary.rejected]
     assert reasons["gzip"] == reasons["plain"] == [
