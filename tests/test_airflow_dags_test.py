@@ -366,7 +366,8 @@ def test_nightly_with_a_config_mistake_fails_once_at_once_and_nothing_after_it_r
     assert len(mailbox.messages) == 1, log[-3000:]
     body = mailbox.messages[0].get_body(("html",)).get_content()
     assert "<b>plan</b>" in body and "unknown key(s) chunk_sise (did you mean chunk_size?)" in body, body
-    assert "If the night got as far as loading, its run in the warehouse is" in body
+    assert f"If the night got as far as loading, its run in the warehouse {tmp_path / 'warehouse'} is" in body, body
+    assert f"featurehouse status --warehouse {tmp_path / 'warehouse'}" in body, body
     assert "Its run in the warehouse:" not in body
     assert "[fetch]: unknown key(s) chunk_sise (did you mean chunk_size?)" in log, log[-3000:]
     assert time.monotonic() - started < 120, "the plan task was retried"
