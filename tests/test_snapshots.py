@@ -155,6 +155,49 @@ def test_an_activation_id_that_moves_to_another_feature_leaves_no_stale_stats(tm
     assert stats == {1: 2, 2: 4}
     total = query(settings.warehouse, "SELECT sum(n_examples) FROM source_activation_stats")[0][0]
     assert total == query(settings.warehouse, "SELECT count(*) FROM activations")[0][0] == 6
+    # the move is said: feature 1 lost one record, to feature 2's newer capture
+    gone = query(settings.warehouse, "SELECT feature_index, table_name, reason FROM superseded")
+    assert gone == [(1, "activations", f"1 of its activations ids (activation_id) now belong to feature "
+                                       f"{KEY[0]}/{KEY[1]}/2 (a newer capture brought them there)")], gone
+
+
+def test_a_copy_of_a_page_under_another_index_is_recorded_both_ways(tmp_path, settings):
+    """An outside review: a copy of a page with only its index changed moved the page's records
+    to the other feature with nothing said (superseded 0); one dated before it moved nothing,
+    also silently."""
+    one = good_page(1)
+    first = run_ingest([_at(write(tmp_path / "a" / "1.json", to_api_json(one)), T0)], settings)
+    assert first.n_superseded == 0
+    copied = copy.deepcopy(one)
+    copied["index"] = "5"
+    for a in copied["activations"]:
+        a["index"] = "5"
+    older = run_ingest([_at(write(tmp_path / "b" / "5.json", to_api_json(copied)), T0 - timedelta(days=1))], settings)
+    ids = sorted(a["id"] for a in one["activations"])
+    owners = query(settings.warehouse, "SELECT DISTINCT feature_index FROM activations WHERE list_contains(?, activation_id)", [ids])
+    assert owners == [(1,)], "the newer capture keeps its ids"
+    said = {(r[0], r[1]): r[2] for r in query(settings.warehouse, "SELECT feature_index, table_name, reason FROM superseded")}
+    assert older.n_superseded == len(said) == 2, said  # activations and explanations
+    assert said[(5, "activations")] == (f"{len(ids)} of its activations ids (activation_id) belong to feature "
+                                        f"{KEY[0]}/{KEY[1]}/1, whose capture is newer: not loaded")
+    assert said[(5, "explanations")].startswith("1 of its explanations ids (explanation_id) belong to feature")
+
+    from pipeline.outputs.find import refresh_index, search
+
+    refresh_index(settings)
+    assert [r["feature_index"] for r in search(settings, "cpu things").as_dicts()] == [1]
+    newer = run_ingest([_at(write(tmp_path / "c" / "5.json", to_api_json(copied) + b" "), T0 + timedelta(days=1))], settings)
+    # the find index, refreshed, has the explanation where the warehouse has it (it kept it at both)
+    assert refresh_index(settings).mode == "refreshed"
+    assert [r["feature_index"] for r in search(settings, "cpu things").as_dicts()] == [5]
+    owners = query(settings.warehouse, "SELECT DISTINCT feature_index FROM activations WHERE list_contains(?, activation_id)", [ids])
+    assert owners == [(5,)]
+    moved = {(r[0], r[1]): r[2] for r in query(settings.warehouse, "SELECT feature_index, table_name, reason FROM superseded "
+                                                                   "WHERE run_id = ?", [newer.run_id])}
+    assert newer.n_superseded == 2 and moved[(1, "activations")].endswith(
+        f"now belong to feature {KEY[0]}/{KEY[1]}/5 (a newer capture brought them there)"), moved
+    stats = dict(query(settings.warehouse, "SELECT feature_index, sum(n_examples) FROM feature_activation_stats GROUP BY 1"))
+    assert stats.get(1, 0) == 0 and stats[5] == len(ids), stats
 
 
 @pytest.mark.parametrize("shape", ["api_json", "flight"])

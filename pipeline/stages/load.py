@@ -20,7 +20,9 @@ An activation (or explanation) id is unique in its table and belongs to one feat
 captures that bring it (the batch's, and the one whose row holds it now) the newest keeps it,
 ties again to the larger digest, as if captures were applied in the order they were made, so
 the outcome is the same whether the pages came in one run or several. A capture that takes an
-id from another feature takes its row; that feature's statistics are refreshed too. (What the
+id from another feature takes its row; that feature's statistics are refreshed too, and the
+move is recorded in ``superseded`` (either way: the records that lost their ids, or the
+batch's records that did not load because a newer capture holds them elsewhere). (What the
 warehouse decides from is what it holds: an id whose holder was since replaced by a capture
 without it goes to the next capture that brings it.)
 
@@ -30,6 +32,7 @@ again with a newer capture time are decided without parsing them (``settle_again
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +45,8 @@ from ..lake.maintain import pending_name
 from ..lake.warehouse import CATALOG, bind, data_path, literal, one_snapshot, utcnow
 from .materialise import compute_changed, excerpt_from, stats_without_rows
 from .records import ARROW_SCHEMAS
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DATA_TABLES", "REFERENCE_KEYS", "STAGED_ACTIVATIONS", "passed", "claim_captures", "replace_staged", "upsert_reference",
@@ -169,21 +174,72 @@ def _newest_keeps_each_id(conn: duckdb.DuckDBPyConnection, table: str, row_id: s
     """Keep in ``incoming_<table>`` only the rows whose id no newer capture brings: of the
     batch's rows with one id (from different inputs; copies within one input are refused by
     validation) the newest capture's, and that only if the capture holding the id now (its
-    feature's in ``feature_captures``) is not newer still."""
+    feature's in ``feature_captures``) is not newer still.
+
+    Returns whether any of the batch's ids is held already (by its own feature or another);
+    if so, the ids that change feature are in ``moved_<table>`` (:func:`moved_ids`)."""
     held = ""
     if has_rows and conn.execute(  # (the usual batch holds no id loaded before: ~0.01 s, not ~0.1)
             f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {row_id} IN (SELECT {row_id} FROM incoming_{table}))"
     ).fetchone()[0]:
+        newer = f"""(coalesce(c.captured_at, {_OLDEST}), c.input_sha256)
+                  > (coalesce(i.captured_at_, {_OLDEST}), i.input_sha256)"""
         held = f"""WHERE NOT EXISTS (
             SELECT 1 FROM {table} t JOIN feature_captures c ON {_on('c', 't')} AND c.table_name = '{table}'
-            WHERE t.{row_id} = i.{row_id}
-              AND (coalesce(c.captured_at, {_OLDEST}), c.input_sha256)
-                  > (coalesce(i.captured_at_, {_OLDEST}), i.input_sha256))"""
+            WHERE t.{row_id} = i.{row_id} AND {newer})"""
+        # what is held elsewhere, by a newer capture, does not load: said, not silent (review)
+        conn.execute(f"""
+            CREATE OR REPLACE TEMP TABLE kept_{table} AS
+            SELECT i.input_sha256, i.model_id, i.source_id, i.feature_index, i.captured_at_ AS captured_at,
+                   c.input_sha256 AS kept_input_sha256, c.captured_at AS kept_captured_at,
+                   t.model_id AS other_model, t.source_id AS other_source, t.feature_index AS other_index
+            FROM incoming_{table} i JOIN {table} t ON t.{row_id} = i.{row_id}
+            JOIN feature_captures c ON {_on('c', 't')} AND c.table_name = '{table}'
+            WHERE {newer} AND NOT ({_on('t', 'i')})""")
     conn.execute(f"""
         CREATE OR REPLACE TEMP TABLE incoming_{table} AS
         SELECT i.* FROM incoming_{table} i {held}
         QUALIFY i.{row_id} IS NULL OR row_number() OVER (
             PARTITION BY i.{row_id} ORDER BY coalesce(i.captured_at_, {_OLDEST}) DESC, i.input_sha256 DESC) = 1""")
+    if not held:
+        return False
+    # the ids the batch takes from another feature (which loses them: its statistics are redone,
+    # see mark_changed_features) — a newer capture wins an id, as it wins its own feature
+    conn.execute(f"""
+        CREATE OR REPLACE TEMP TABLE moved_{table} AS
+        SELECT t.input_sha256, t.model_id, t.source_id, t.feature_index, t.captured_at,
+               i.input_sha256 AS kept_input_sha256, i.captured_at_ AS kept_captured_at,
+               i.model_id AS other_model, i.source_id AS other_source, i.feature_index AS other_index
+        FROM {table} t JOIN incoming_{table} i ON t.{row_id} = i.{row_id}
+        WHERE NOT ({_on('t', 'i')})
+          AND NOT EXISTS (SELECT 1 FROM applied a WHERE a.table_name = '{table}' AND {_on('a', 't')})""")
+    return True
+
+
+def moved_ids(conn: duckdb.DuckDBPyConnection, has_rows: dict[str, bool]) -> list[dict]:
+    """The ``superseded`` rows for ids that changed feature in this batch's plan: a feature's
+    records whose ids a newer capture of another feature brings (they move to it), and the
+    batch's records whose ids another feature's newer capture holds (they do not load). An id
+    names one record of one feature; a copy of a page under another index is the usual cause."""
+    out = []
+    for table, row_id in _ROW_IDS.items():
+        if not has_rows.get(f"{table}:held"):
+            continue
+        for name, says in ((f"moved_{table}", "now belong to feature {} (a newer capture brought them there)"),
+                           (f"kept_{table}", "belong to feature {}, whose capture is newer: not loaded")):
+            cur = conn.execute(f"""
+                SELECT input_sha256, model_id, source_id, feature_index, '{table}' AS table_name,
+                       max(captured_at) AS captured_at, max(kept_input_sha256) AS kept_input_sha256,
+                       max(kept_captured_at) AS kept_captured_at,
+                       other_model || '/' || other_source || '/' || other_index AS other, count(*) AS n
+                FROM {name} GROUP BY ALL ORDER BY ALL""")
+            cols = [d[0] for d in cur.description]
+            for row in cur.fetchall():
+                r = dict(zip(cols, row))
+                n, other = r.pop("n"), r.pop("other")
+                r["reason"] = f"{n} of its {table} ids ({row_id}) " + says.format(other)
+                out.append(r)
+    return out
 
 
 def record_captures(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str,
@@ -310,7 +366,7 @@ def _plan(conn: duckdb.DuckDBPyConnection, reprocess: bool) -> dict[str, bool]:
         has_rows[table] = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
         row_id = _ROW_IDS.get(table)
         if row_id:
-            _newest_keeps_each_id(conn, table, row_id, has_rows[table])
+            has_rows[f"{table}:held"] = _newest_keeps_each_id(conn, table, row_id, has_rows[table])
     return has_rows
 
 
@@ -533,6 +589,7 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
     if prewritten is not None:
         prewritten.used, prewritten.stood = set(), stood
     mark_changed_features(conn, has["activations"])
+    moved = moved_ids(conn, has)  # (before the deletes: who held the ids)
     loaded: dict[str, dict[str, int]] = {}
     for table in DATA_TABLES:
         incoming = f"incoming_{table}"
@@ -566,7 +623,9 @@ def replace_staged(conn: duckdb.DuckDBPyConnection, now: datetime, run_id: str, 
         FROM capture_decisions WHERE decision = 'older' ORDER BY ALL""")
     cols = [d[0] for d in cur.description]
     older = [dict(zip(cols, r)) for r in cur.fetchall()]
-    return loaded, older
+    for r in moved:
+        log.warning("%s/%s/%s: %s", r["model_id"], r["source_id"], r["feature_index"], r["reason"])
+    return loaded, older + moved
 
 
 def changed_reference(conn: duckdb.DuckDBPyConnection, table: str) -> int:
