@@ -26,6 +26,7 @@ from .lake.landing import LandingFailed, disk_full
 from .names import BadRunId, check_run_id
 from .signals import EARLY as _EARLY_SIGNALS
 from .signals import LOADING_COMMANDS as _LOADING_COMMANDS
+from .signals import RAISED as _TERMINATED
 from .signals import importing
 
 # The ingest stages (Great Expectations, pandas) are imported by the commands that use them,
@@ -241,9 +242,6 @@ class Terminated(SystemExit):
         return "terminated by SIGTERM"
 
 
-_TERMINATED: list[int] = []
-
-
 def _stopped_by(signum: int) -> str:
     return "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
 
@@ -276,6 +274,13 @@ def _teardown_signals() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) is _terminated:
             signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+
+
+def _stop_if_terminated() -> None:
+    """Raise again a signal whose handler raised but whose exception was swallowed on its way
+    (see ``signals.RAISED``): the command stops as it would have."""
+    if _TERMINATED:
+        raise Terminated(128 + _TERMINATED[0])
 
 
 def _terminated(signum, frame) -> None:
@@ -320,12 +325,16 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     # A SIGTERM (a timeout, Airflow stopping a task, `kill`) or Ctrl-C ends the run as failed,
     # recorded, instead of leaving it `running` until a later run finds its process gone (the
     # handlers are the group's, see `cli`).
-    from .ingest import ingest, new_run_id
-    from .outputs.report import verdict
-    from .stages.receive import InputNotFound
+    try:  # (a signal before the run: it was not recorded, nothing was loaded)
+        from .ingest import ingest, new_run_id
+        from .outputs.report import verdict
+        from .stages.receive import InputNotFound
 
-    settings = Settings.from_env(warehouse=warehouse)
-    run_id = run_id or new_run_id()  # known here: what the warehouse recorded of it can be said
+        settings = Settings.from_env(warehouse=warehouse)
+        run_id = run_id or new_run_id()  # known here: what the warehouse recorded of it can be said
+    except Terminated as exc:
+        click.echo(f"featurehouse: ingest {_stopped_by(exc.code - 128)} before it started: nothing was loaded", err=True)
+        sys.exit(exc.code)
     try:
         summary = ingest(paths, settings, run_id=run_id, reprocess=reprocess,
                          progress=False if no_progress else None)
@@ -358,13 +367,16 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
     else:
         print_summary(summary)
         click.echo(f"  verdict  {judged.level}: {judged.reason}")
+    indexed = (settings.find_index_dir / "index.duckdb").exists()
     try:
+        _stop_if_terminated()  # one whose exception was swallowed after the run's last point to stop
         _refresh_find(settings)
+        _stop_if_terminated()
     except (Terminated, KeyboardInterrupt):
         signum = _TERMINATED[0] if _TERMINATED else signal.SIGINT
-        click.echo(f"featurehouse: {_stopped_by(signum)} while refreshing the find index; run {summary.run_id} is "
-                   "recorded as succeeded (its data is loaded): `featurehouse index` brings the index up to date",
-                   err=True)
+        click.echo(f"featurehouse: {_stopped_by(signum)} {'while refreshing the find index' if indexed else 'after its run'}; "
+                   f"run {summary.run_id} is recorded as succeeded (its data is loaded)"
+                   + (": `featurehouse index` brings the index up to date" if indexed else ""), err=True)
         sys.exit(128 + signum)
     if strict and judged.level == "FAIL":
         sys.exit(EXIT_VERDICT_FAIL)
@@ -1401,6 +1413,9 @@ _verbose_everywhere(cli)
 def main() -> None:
     try:
         cli(prog_name="featurehouse")
+    except Terminated as exc:  # a signal no command's own handling saw (between its steps): one line
+        click.echo(f"featurehouse: {_stopped_by(exc.code - 128)}", err=True)
+        raise
     except Exception as exc:  # a PostgreSQL catalog that stopped: one line, no traceback, no password
         from .lake import catalog_down
 

@@ -39,7 +39,7 @@ from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
 from .lake.warehouse import utcnow
 from .names import check_run_id
-from .signals import importing
+from .signals import RAISED, importing
 from .stages import materialise, stage, validate
 from .stages.land import Digests, Landed, land
 from .stages.load import (
@@ -142,6 +142,8 @@ def _stop_if_signalled(came: list[tuple[int, Any, bool]]) -> None:
         handler(signum, None)
         if raised:  # (a handler that raised once and not now)
             raise KeyboardInterrupt(f"signal {signum}")
+    if RAISED:  # its handler raised, and the exception was swallowed on its way (see signals.RAISED)
+        raise KeyboardInterrupt(f"signal {RAISED[0]}")
 
 
 @contextlib.contextmanager
@@ -1196,9 +1198,13 @@ def ingest(
                 conn.execute(f"USE {warehouse.CATALOG}")
             catalog_gone = settings.catalog_url.startswith("postgres:") and catalog_down.said(exc, settings.catalog_url) is not None
             try:
-                runstate.finish_run(conn, settings, summary,
-                                    error=catalog_down.redact(f"{type(exc).__name__}: {exc}"))
-                exc.add_note(f"run {run_id} is recorded as failed")
+                if run_started is None and not conn.execute(  # stopped before its row was written
+                        "SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
+                    exc.add_note("no run was recorded: nothing was loaded")
+                else:
+                    runstate.finish_run(conn, settings, summary,
+                                        error=catalog_down.redact(f"{type(exc).__name__}: {exc}"))
+                    exc.add_note(f"run {run_id} is recorded as failed")
             except Exception as record_exc:
                 log.error("could not record that run %s failed", run_id,
                           exc_info=not (disk_full(record_exc) or catalog_gone))
