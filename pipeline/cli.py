@@ -541,8 +541,9 @@ def status_cmd(warehouse, limit, fmt, wide) -> None:
             "(SELECT count(*) FROM explanations), (SELECT count(*) FROM quarantine), "
             "(SELECT count(*) FROM raw_inputs WHERE status = 'rejected')"
         ).fetchone()
-        click.echo("warehouse holds {} features, {} activations, {} explanations; {} quarantined records, "
-                   "{} rejected inputs".format(*totals))
+        # two lines: one held 100 characters, past an 80-column terminal (review of 45)
+        click.echo("warehouse holds {:,} features, {:,} activations, {:,} explanations;\n"
+                   "                {:,} quarantined records, {:,} rejected inputs".format(*totals))
 
 
 #: Variables read where they are used, not through Settings or featurehouse.toml (docs/cli.md#settings

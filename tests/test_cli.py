@@ -125,7 +125,9 @@ def test_status(warehouse):
     assert proc.returncode == 0, proc.stderr
     (run_id,) = query(wh, "SELECT run_id FROM runs")[0]
     assert run_id in proc.stdout and "succeeded" in proc.stdout
-    assert "1 features, 39 activations, 1 explanations; 1 quarantined records, 1 rejected inputs" in proc.stdout
+    assert "holds 1 features, 39 activations, 1 explanations;\n                1 quarantined records, 1 rejected inputs\n" \
+        in proc.stdout
+    assert max(len(line) for line in proc.stdout.split("warehouse holds")[1].splitlines()) <= 80
 
 
 def test_warehouse_from_the_environment_and_reprocess(tmp_path):

@@ -95,7 +95,8 @@ def test_the_web_app_writes_a_token_the_same_way(value):
 
 
 @pytest.mark.parametrize(("value", "shown"), [
-    (DENSITY, "0.00335%"), (0.001, "0.1%"), (0.25, "25%"), (1, "100%"), (0, "0%"), (0.0, "0%"), (None, "–"),
+    (DENSITY, "0.00335%"), (0.001, "0.1%"), (1.23e-9, "0.000000123%"), (1e-4, "0.01%"),
+    (9.9996e-6, "0.001%"), (0.123456, "12.3%"), (0.25, "25%"), (1, "100%"), (0, "0%"), (0.0, "0%"), (None, "–"),
     (np.float64(DENSITY), "0.00335%"), (Decimal("0.5"), "50%"), (math.nan, "nan"), ("x", "x"),
 ])
 def test_a_firing_density_is_a_percentage_for_people(value, shown):

@@ -107,6 +107,10 @@ def test_search_open_a_feature_and_follow_a_similar_link(served, page):
     value = float(first_peak.get_attribute("data-activation"))
     assert value > 0 and first_peak.get_attribute("title") == f"{value:.3g}"
     assert "rgba(255, 120, 0" in first_peak.get_attribute("style")
+    # each bar of the histogram says its range of peaks, the first from nothing, the last to the top
+    bars = [b.get_attribute("title") for b in page.locator(".bars div").all()]
+    assert len(bars) == 10 and " peaking up to " in bars[0] and all(" peaking from " in b for b in bars[1:]), bars
+    assert bars[-1].endswith(page.locator(".bars-axis span").last.inner_text()), bars
     shot(page, "feature")
     # a feature with neighbours (the small pages share their top tokens), opened from the results
     page.go_back()

@@ -961,8 +961,8 @@ class Finder:
         words = query.replace('"', " ")
         if not self.conn.execute(warehouse_mod.bind(  # bound as a literal: a parameter imports pandas
                 "SELECT len(list_filter(fts_main_docs.tokenize($q), w -> w <> ''))", {"q": words})).fetchone()[0]:
-            raise QueryHoldsNoWord(f"the search query {query!r} holds no word (the index keeps letters and digits; "
-                             "punctuation is not searched): give a word of a description, or a \"quoted phrase\"")
+            raise QueryHoldsNoWord(f"the search query {query!r} holds no word (the index keeps words of letters; "
+                             "digits and punctuation are not searched): give a word of a description, or a \"quoted phrase\"")
         where, params = self._narrow(model, source)
         phrase = ""
         for i, p in enumerate(phrases):
@@ -1333,6 +1333,8 @@ def _render_text(view: FeatureView) -> str:
     for e in view.excerpts:
         toks = [("[[" + t + "]]" if i == e["peak"] else t) for i, t in enumerate(e["tokens"] or [])]
         out.append(f"  {rounded(e['max_value']):>8}  {e['data_source'] or '-':<9} " + "".join(toks).replace("\n", "⏎"))
+    if not view.excerpts:  # (a heading over nothing read as if the answer were cut)
+        out.append("  (none)")
     out.append("nearest features:")
     if view.neighbours is not None and view.neighbours.rows:
         for m, s, i, sim, basis, d in view.neighbours.rows:

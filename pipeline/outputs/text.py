@@ -58,4 +58,11 @@ def density(v: Any) -> str:
     v = float(v)
     if math.isnan(v) or math.isinf(v):
         return str(v)
-    return "0%" if v == 0 else f"{v * 100:.3g}%"
+    if v == 0:
+        return "0%"
+    p = v * 100
+    if abs(p) >= 1:
+        return f"{p:.3g}%"
+    # three significant digits, written out (a 262k source's rarest fire on 1e-9 of tokens:
+    # "0.000000123%", not "1.23e-07%"); trailing zeros dropped ("0.01%")
+    return f"{p:.{2 - math.floor(math.log10(abs(p)))}f}".rstrip("0").rstrip(".") + "%"
