@@ -45,7 +45,7 @@ WHEELS = {
     "postgres_scanner": "duckdb_extension_postgres_scanner",
     "httpfs": "duckdb_extension_httpfs",
     "aws": "duckdb_extension_aws",
-    # the find index (pipeline/outputs/find.py): full-text search; vss for the array functions
+    # the find index (pipeline/outputs/find/): full-text search; vss for the array functions
     "fts": "duckdb_extension_fts",
     "vss": "duckdb_extension_vss",
 }
