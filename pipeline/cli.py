@@ -3,6 +3,7 @@ and turns the library's named errors into a clear message and exit code."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import decimal
@@ -236,10 +237,10 @@ def _print_json(value) -> None:
 
 
 class Terminated(SystemExit):
-    "The process was sent SIGTERM."
+    "The process was sent SIGTERM or SIGINT (its code: 128 + the signal)."
 
     def __str__(self) -> str:
-        return "terminated by SIGTERM"
+        return _stopped_by(self.code - 128) if isinstance(self.code, int) and self.code > 128 else "terminated"
 
 
 def _stopped_by(signum: int) -> str:
@@ -254,10 +255,11 @@ def _recorded(settings: Settings, run_id: str | None) -> str:
     try:
         with warehouse_mod.connect(settings, read_only=True) as conn:
             row = conn.execute("SELECT status FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    except Exception:  # no warehouse yet, or it cannot be read now
+    except Exception as exc:  # no warehouse yet, or it cannot be read now
         row = None
-        if not (settings.warehouse / "catalog.sqlite").exists() and settings.catalog_kind == "sqlite":
-            return "no run was recorded: nothing was loaded"
+        if isinstance(exc, warehouse_mod.WarehouseMissing) or (
+                not (settings.warehouse / "catalog.sqlite").exists() and settings.catalog_kind == "sqlite"):
+            return "no run was recorded: nothing was loaded"  # (missing, or begun and never made)
         return f"`featurehouse status` says how run {run_id} is recorded"
     if row is None:
         return "no run was recorded: nothing was loaded"
@@ -266,14 +268,28 @@ def _recorded(settings: Settings, run_id: str | None) -> str:
     return f"run {run_id} is recorded as {row[0]}"
 
 
+#: What stands once a command's work is done (a succeeded run): said by a signal after it.
+_DONE: list[str] = []
+
+
 def _teardown_signals() -> None:
     """After the command: a signal during the interpreter's teardown ends the process at once,
-    with its exit code, instead of raising inside an exit handler (exit 0, a traceback)."""
+    with its exit code and its one line, instead of raising inside an exit handler (exit 0, a
+    traceback) or ending in silence (found from outside: a Ctrl-C just after the summary)."""
     if threading.current_thread() is not threading.main_thread():
         return
+
+    def stop(signum, frame) -> None:
+        line = f"featurehouse: {_stopped_by(signum)} as it exited" + (f"; {_DONE[-1]}" if _DONE else "") + "\n"
+        with contextlib.suppress(Exception):  # (a flush already under way: the line still goes)
+            sys.stdout.flush()
+        with contextlib.suppress(OSError):
+            os.write(2, line.encode())
+        os._exit(128 + signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         if signal.getsignal(sig) is _terminated:
-            signal.signal(sig, lambda signum, frame: os._exit(128 + signum))
+            signal.signal(sig, stop)
 
 
 def _stop_if_terminated() -> None:
@@ -360,23 +376,25 @@ def ingest_cmd(paths, warehouse, run_id, reprocess, no_progress, strict, fmt) ->
             click.echo(f"featurehouse: ingest {_stopped_by(signum)}; {notes}", err=True)
             sys.exit(128 + signum)
         raise
-    # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs
-    judged = verdict(summary.as_dict())
-    if fmt == "json":
-        _print_json(summary.as_dict() | {"verdict": judged.level, "verdict_reason": judged.reason})
-    else:
-        print_summary(summary)
-        click.echo(f"  verdict  {judged.level}: {judged.reason}")
-    indexed = (settings.find_index_dir / "index.duckdb").exists()
+    # from here a signal stops a run that is done: said so, to the process's last instant
+    _DONE.append(f"run {summary.run_id} is recorded as succeeded (its data is loaded)")
+    indexed, refreshing = (settings.find_index_dir / "index.duckdb").exists(), False
     try:
+        # a CLI ingest fetches nothing, so the summary holds every figure the verdict weighs
+        judged = verdict(summary.as_dict())
+        if fmt == "json":
+            _print_json(summary.as_dict() | {"verdict": judged.level, "verdict_reason": judged.reason})
+        else:
+            print_summary(summary)
+            click.echo(f"  verdict  {judged.level}: {judged.reason}")
         _stop_if_terminated()  # one whose exception was swallowed after the run's last point to stop
+        refreshing = indexed
         _refresh_find(settings)
         _stop_if_terminated()
     except (Terminated, KeyboardInterrupt):
         signum = _TERMINATED[0] if _TERMINATED else signal.SIGINT
-        click.echo(f"featurehouse: {_stopped_by(signum)} {'while refreshing the find index' if indexed else 'after its run'}; "
-                   f"run {summary.run_id} is recorded as succeeded (its data is loaded)"
-                   + (": `featurehouse index` brings the index up to date" if indexed else ""), err=True)
+        click.echo(f"featurehouse: {_stopped_by(signum)} {'while refreshing the find index' if refreshing else 'after its run'}; "
+                   + _DONE[-1] + (": `featurehouse index` brings the index up to date" if refreshing else ""), err=True)
         sys.exit(128 + signum)
     if strict and judged.level == "FAIL":
         sys.exit(EXIT_VERDICT_FAIL)
@@ -1415,7 +1433,7 @@ def main() -> None:
     try:
         cli(prog_name="featurehouse")
     except Terminated as exc:  # a signal no command's own handling saw (between its steps): one line
-        click.echo(f"featurehouse: {_stopped_by(exc.code - 128)}", err=True)
+        click.echo(f"featurehouse: {_stopped_by(exc.code - 128)}" + (f"; {_DONE[-1]}" if _DONE else ""), err=True)
         raise
     except Exception as exc:  # a PostgreSQL catalog that stopped: one line, no traceback, no password
         from .lake import catalog_down

@@ -172,6 +172,26 @@ def _signals_held() -> Iterator[None]:
             signal.raise_signal(sig)  # handled now, by the handler it was meant for
 
 
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM are let go while the block runs (main thread only): a run already
+    stopping records its failure whole. A second Ctrl-C during that recording raised inside it:
+    the run stayed `running`, with a traceback (found from outside)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            before[sig] = signal.signal(sig, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def new_run_id(prefix: str = "run") -> str:
     """A sortable, unique run id: ``run-20261129T211500Z-1a2b3c``."""
     return f"{prefix}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{uuid.uuid4().hex[:6]}"
@@ -1189,34 +1209,35 @@ def ingest(
             _stop_if_signalled(came)
             summary.status = "succeeded"
         except BaseException as exc:
-            summary.status = "failed"
-            if run_started is not None:
-                run_started.close(failed=True)
-            with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open
-                conn.execute("ROLLBACK")
-            with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
-                conn.execute(f"USE {warehouse.CATALOG}")
-            catalog_gone = settings.catalog_url.startswith("postgres:") and catalog_down.said(exc, settings.catalog_url) is not None
-            try:
-                if run_started is None and not conn.execute(  # stopped before its row was written
-                        "SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
-                    exc.add_note("no run was recorded: nothing was loaded")
-                else:
-                    runstate.finish_run(conn, settings, summary,
-                                        error=catalog_down.redact(f"{type(exc).__name__}: {exc}"))
-                    exc.add_note(f"run {run_id} is recorded as failed")
-            except Exception as record_exc:
-                log.error("could not record that run %s failed", run_id,
-                          exc_info=not (disk_full(record_exc) or catalog_gone))
-                exc.add_note(f"run {run_id} could not be recorded as failed "
-                             f"({catalog_down.redact(str(record_exc).splitlines()[0])}); "
-                             "the next ingest on this host records it as abandoned")
-            # none can be written on a full disk or without the catalog; nor is one wanted by a
-            # signal that stopped the run (inside a DuckDB statement it arrives as an Exception,
-            # "Query interrupted")
-            if report_after and isinstance(exc, Exception) and not disk_full(exc) and not came and not catalog_gone:
-                write_run_report(conn, summary, settings)
-            conn.close()
+            with _signals_ignored():  # a second signal waits: the failure is recorded whole
+                summary.status = "failed"
+                if run_started is not None:
+                    run_started.close(failed=True)
+                with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open
+                    conn.execute("ROLLBACK")
+                with contextlib.suppress(duckdb.Error):  # interrupted while staging: the lake again
+                    conn.execute(f"USE {warehouse.CATALOG}")
+                catalog_gone = settings.catalog_url.startswith("postgres:") and catalog_down.said(exc, settings.catalog_url) is not None
+                try:
+                    if run_started is None and not conn.execute(  # stopped before its row was written
+                            "SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
+                        exc.add_note("no run was recorded: nothing was loaded")
+                    else:
+                        runstate.finish_run(conn, settings, summary,
+                                            error=catalog_down.redact(f"{type(exc).__name__}: {exc}"))
+                        exc.add_note(f"run {run_id} is recorded as failed")
+                except Exception as record_exc:
+                    log.error("could not record that run %s failed", run_id,
+                              exc_info=not (disk_full(record_exc) or catalog_gone))
+                    exc.add_note(f"run {run_id} could not be recorded as failed "
+                                 f"({catalog_down.redact(str(record_exc).splitlines()[0])}); "
+                                 "the next ingest on this host records it as abandoned")
+                # none can be written on a full disk or without the catalog; nor is one wanted by a
+                # signal that stopped the run (inside a DuckDB statement it arrives as an Exception,
+                # "Query interrupted")
+                if report_after and isinstance(exc, Exception) and not disk_full(exc) and not came and not catalog_gone:
+                    write_run_report(conn, summary, settings)
+                conn.close()
             raise
         summary.seconds = round(time.monotonic() - started, 3)
         runstate.finish_run(conn, settings, summary)
@@ -1249,6 +1270,9 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
         summary.report_path = str(path)
         runstate.record_report(conn, settings, summary.run_id, path, ended_at=utcnow())
     except Exception as exc:
+        if RAISED:  # a signal stopped it (inside DuckDB: "Query interrupted"): the run says so, no traceback
+            log.warning("the report of run %s was not written: the run was stopped", summary.run_id)
+            return
         if settings.catalog_url.startswith("postgres:") and (line := catalog_down.said(exc, settings.catalog_url)) is not None:
             log.error("could not write the report for run %s: %s; then `featurehouse report --run %s`",
                       summary.run_id, line, summary.run_id)

@@ -371,6 +371,60 @@ def test_a_signal_whose_exception_was_swallowed_still_stops_the_ingest(tmp_path,
         ("is recorded as failed" in line and runs == [("failed",)]), (line, runs)
 
 
+def test_a_second_ctrl_c_while_the_run_records_its_failure_waits(tmp_path, monkeypatch):
+    """Found from outside: a Ctrl-C, then another while the stopping run recorded its failure,
+    raised inside that recording: the run stayed `running`, with a traceback. Now the second
+    waits; the run is recorded as failed and the one line says so."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from pipeline import cli as cli_module
+    from pipeline.lake import runstate
+
+    start, finish = runstate.start_run, runstate.finish_run
+
+    def start_then_ctrl_c(*args, **kwargs):
+        start(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        sum(range(10))  # (the handler runs between two instructions: here at the latest)
+
+    def ctrl_c_then_finish(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)
+        sum(range(10))
+        return finish(*args, **kwargs)
+
+    monkeypatch.setattr(runstate, "start_run", start_then_ctrl_c)
+    monkeypatch.setattr(runstate, "finish_run", ctrl_c_then_finish)
+    wh = tmp_path / "wh"
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        result = CliRunner().invoke(cli, ["ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress"])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        cli_module._TERMINATED.clear()
+    assert result.exit_code == 130, result.output
+    assert "Traceback" not in result.output and "could not record" not in result.output, result.output
+    (line,) = [ln for ln in result.output.splitlines() if ln.startswith("featurehouse: ")]
+    monkeypatch.undo()
+    (run_id, status), = query(wh, "SELECT run_id, status FROM runs")
+    assert status == "failed" and f"run {run_id} is recorded as failed" in line, line
+
+
+def test_a_ctrl_c_as_the_process_exits_says_what_stands():
+    """Found from outside: a Ctrl-C just after an ingest's summary (the interpreter's teardown)
+    ended the process with exit 130 and no word. Now its line says the run stands."""
+    code = ("import signal\nfrom pipeline import cli\n"
+            "signal.signal(signal.SIGINT, cli._terminated)\n"
+            "cli._DONE.append('run r1 is recorded as succeeded (its data is loaded)')\n"
+            "cli._teardown_signals()\nsignal.raise_signal(signal.SIGINT)\nimport time\ntime.sleep(5)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 130, r
+    assert r.stderr == ("featurehouse: interrupted (Ctrl-C) as it exited; run r1 is recorded as succeeded "
+                        "(its data is loaded)\n"), r.stderr
+
+
 def test_verbose_after_the_command_too(warehouse):
     """Issue 45: -v worked only before the command."""
     wh, _ = warehouse
