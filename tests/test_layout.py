@@ -142,9 +142,11 @@ def test_the_known_long_modules_are_still_long():
 
 
 def test_the_package_lists_every_folder_and_file_it_needs():
-    """What `pip install featurehouse` (a wheel, not the checkout) gets: every package and every
-    file the code reads beside its modules. Found by splitting find.py into a package: the
-    packages are listed by hand in pyproject.toml, and the web app's templates were not in it."""
+    """A wheel of pipeline/ (`pip wheel .`, not the editable install of a checkout) holds every
+    package and every file under pipeline/ the code reads. Found by splitting find.py into a
+    package: the packages are listed by hand in pyproject.toml, and the web app's templates
+    were not in it. (The checkout's schemas/ stays outside the wheel: featurehouse runs from a
+    checkout or the image, both of which hold it.)"""
     import tomllib
 
     setup = tomllib.loads((PIPELINE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]

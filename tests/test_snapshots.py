@@ -200,6 +200,29 @@ def test_a_copy_of_a_page_under_another_index_is_recorded_both_ways(tmp_path, se
     assert stats.get(1, 0) == 0 and stats[5] == len(ids), stats
 
 
+def test_a_copy_of_a_page_under_another_index_in_the_same_run_is_recorded(tmp_path, settings):
+    """An outside review of the test above: both pages in one run, the older's records were
+    dropped with nothing said (the batch chose among its own ids). Said as across runs; a run
+    again changes nothing."""
+    one = good_page(1)
+    copied = copy.deepcopy(one)
+    copied["index"] = "5"
+    for a in copied["activations"]:
+        a["index"] = "5"
+    pages = [_at(write(tmp_path / "a" / "1.json", to_api_json(one)), T0 - timedelta(days=1)),
+             _at(write(tmp_path / "b" / "5.json", to_api_json(copied)), T0)]
+    run = run_ingest(pages, settings)
+    ids = sorted(a["id"] for a in one["activations"])
+    assert query(settings.warehouse, "SELECT DISTINCT feature_index FROM activations "
+                                     "WHERE list_contains(?, activation_id)", [ids]) == [(5,)]
+    said = {(r[0], r[1]): r[2] for r in query(settings.warehouse, "SELECT feature_index, table_name, reason FROM superseded")}
+    assert run.n_superseded == len(said) == 2, said
+    assert said[(1, "activations")] == (f"{len(ids)} of its activations ids (activation_id) belong to feature "
+                                        f"{KEY[0]}/{KEY[1]}/5, whose capture is newer: not loaded")
+    assert run_ingest(pages, settings).n_superseded == 0  # landed already: nothing is decided again
+    assert query(settings.warehouse, "SELECT count(*) FROM superseded") == [(2,)]
+
+
 @pytest.mark.parametrize("shape", ["api_json", "flight"])
 def test_a_capture_without_explanations_removes_the_old_ones(tmp_path, settings, shape):
     enc = to_api_json if shape == "api_json" else to_flight

@@ -170,14 +170,15 @@ def _incoming(conn: duckdb.DuckDBPyConnection, table: str) -> None:
 _OLDEST = "TIMESTAMP '0001-01-01'"
 
 
-def _newest_keeps_each_id(conn: duckdb.DuckDBPyConnection, table: str, row_id: str, has_rows: bool) -> None:
+def _newest_keeps_each_id(conn: duckdb.DuckDBPyConnection, table: str, row_id: str, has_rows: bool) -> bool:
     """Keep in ``incoming_<table>`` only the rows whose id no newer capture brings: of the
     batch's rows with one id (from different inputs; copies within one input are refused by
     validation) the newest capture's, and that only if the capture holding the id now (its
     feature's in ``feature_captures``) is not newer still.
 
-    Returns whether any of the batch's ids is held already (by its own feature or another);
-    if so, the ids that change feature are in ``moved_<table>`` (:func:`moved_ids`)."""
+    Returns whether any of the batch's ids is held already (by its own feature or another) or
+    comes twice; if so, the ids that change feature are in ``moved_<table>`` and ``kept_<table>``
+    (:func:`moved_ids`)."""
     held = ""
     if has_rows and conn.execute(  # (the usual batch holds no id loaded before: ~0.01 s, not ~0.1)
             f"SELECT EXISTS (SELECT 1 FROM {table} WHERE {row_id} IN (SELECT {row_id} FROM incoming_{table}))"
@@ -196,13 +197,31 @@ def _newest_keeps_each_id(conn: duckdb.DuckDBPyConnection, table: str, row_id: s
             FROM incoming_{table} i JOIN {table} t ON t.{row_id} = i.{row_id}
             JOIN feature_captures c ON {_on('c', 't')} AND c.table_name = '{table}'
             WHERE {newer} AND NOT ({_on('t', 'i')})""")
+    order = f"PARTITION BY i.{row_id} ORDER BY coalesce(i.captured_at_, {_OLDEST}) DESC, i.input_sha256 DESC"
+    # one id from two features of the batch (a copy of a page under another index, in one run):
+    # the older's records do not load, said as when the newer was loaded before (outside review)
+    twice = conn.execute(f"SELECT count({row_id}) > count(DISTINCT {row_id}) FROM incoming_{table}").fetchone()[0]
+    if twice:
+        conn.execute(f"""
+            CREATE OR REPLACE TEMP TABLE batch_lost_{table} AS
+            WITH ranked AS (SELECT i.*, row_number() OVER ({order}) AS rn_ FROM incoming_{table} i
+                            {held or 'WHERE true'} AND i.{row_id} IS NOT NULL)
+            SELECT l.input_sha256, l.model_id, l.source_id, l.feature_index, l.captured_at_ AS captured_at,
+                   w.input_sha256 AS kept_input_sha256, w.captured_at_ AS kept_captured_at,
+                   w.model_id AS other_model, w.source_id AS other_source, w.feature_index AS other_index
+            FROM ranked l JOIN ranked w ON w.{row_id} = l.{row_id} AND w.rn_ = 1
+            WHERE l.rn_ > 1 AND NOT ({_on('l', 'w')})""")
+        if held:
+            conn.execute(f"INSERT INTO kept_{table} SELECT * FROM batch_lost_{table}")
+        else:
+            conn.execute(f"CREATE OR REPLACE TEMP TABLE kept_{table} AS FROM batch_lost_{table}")
+            conn.execute(f"CREATE OR REPLACE TEMP TABLE moved_{table} AS FROM batch_lost_{table} LIMIT 0")
     conn.execute(f"""
         CREATE OR REPLACE TEMP TABLE incoming_{table} AS
         SELECT i.* FROM incoming_{table} i {held}
-        QUALIFY i.{row_id} IS NULL OR row_number() OVER (
-            PARTITION BY i.{row_id} ORDER BY coalesce(i.captured_at_, {_OLDEST}) DESC, i.input_sha256 DESC) = 1""")
+        QUALIFY i.{row_id} IS NULL OR row_number() OVER ({order}) = 1""")
     if not held:
-        return False
+        return bool(twice)
     # the ids the batch takes from another feature (which loses them: its statistics are redone,
     # see mark_changed_features) — a newer capture wins an id, as it wins its own feature
     conn.execute(f"""
