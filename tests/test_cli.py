@@ -329,6 +329,24 @@ def test_a_sigterm_during_the_find_refresh_says_the_run_succeeded(tmp_path, monk
     assert query(wh, "SELECT status FROM runs ORDER BY started_at DESC LIMIT 1") == [("succeeded",)]
 
 
+def _ingest_in_process(wh: Path):
+    """``featurehouse ingest`` of the fixtures in this process (a step patched to send a signal),
+    the process's signal handlers and the CLI's record of signals put back after."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from pipeline import cli as cli_module
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return CliRunner().invoke(cli, ["ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress"])
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+        cli_module._TERMINATED.clear()
+
+
 def test_a_signal_whose_exception_was_swallowed_still_stops_the_ingest(tmp_path, monkeypatch):
     """Found by the signal test on a loaded machine (CI, about one run in ten): a Ctrl-C whose
     handler raised inside a Python callback DuckDB made during a query (its lookup of a Python
@@ -337,7 +355,6 @@ def test_a_signal_whose_exception_was_swallowed_still_stops_the_ingest(tmp_path,
     its next point that may and says how it is recorded."""
     import signal
 
-    from pipeline import cli as cli_module
     from pipeline.lake import warehouse as warehouse_module
 
     real = warehouse_module.connect
@@ -351,16 +368,9 @@ def test_a_signal_whose_exception_was_swallowed_still_stops_the_ingest(tmp_path,
         return real(*args, **kwargs)
 
     wh = tmp_path / "wh"
-    from click.testing import CliRunner
 
     monkeypatch.setattr(warehouse_module, "connect", connect)
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        result = CliRunner().invoke(cli, ["ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress"])
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-        cli_module._TERMINATED.clear()
+    result = _ingest_in_process(wh)
     assert result.exit_code == 130, result.output
     (line,) = [ln for ln in result.output.splitlines() if ln.startswith("featurehouse: ")]
     assert "ingest interrupted (Ctrl-C)" in line, line
@@ -377,9 +387,6 @@ def test_a_second_ctrl_c_while_the_run_records_its_failure_waits(tmp_path, monke
     waits; the run is recorded as failed and the one line says so."""
     import signal
 
-    from click.testing import CliRunner
-
-    from pipeline import cli as cli_module
     from pipeline.lake import runstate
 
     start, finish = runstate.start_run, runstate.finish_run
@@ -397,13 +404,7 @@ def test_a_second_ctrl_c_while_the_run_records_its_failure_waits(tmp_path, monke
     monkeypatch.setattr(runstate, "start_run", start_then_ctrl_c)
     monkeypatch.setattr(runstate, "finish_run", ctrl_c_then_finish)
     wh = tmp_path / "wh"
-    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        result = CliRunner().invoke(cli, ["ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress"])
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-        cli_module._TERMINATED.clear()
+    result = _ingest_in_process(wh)
     assert result.exit_code == 130, result.output
     assert "Traceback" not in result.output and "could not record" not in result.output, result.output
     (line,) = [ln for ln in result.output.splitlines() if ln.startswith("featurehouse: ")]
