@@ -1209,7 +1209,10 @@ def ingest(
             _stop_if_signalled(came)
             summary.status = "succeeded"
         except BaseException as exc:
-            with _signals_ignored():  # a second signal waits: the failure is recorded whole
+            # stopped by a signal: a second one waits, the failure is recorded whole (a failure of
+            # another kind keeps Ctrl-C, should its recording hang on a catalog that stopped)
+            stopping = bool(RAISED or came) or not isinstance(exc, Exception)
+            with _signals_ignored() if stopping else contextlib.nullcontext():
                 summary.status = "failed"
                 if run_started is not None:
                     run_started.close(failed=True)
