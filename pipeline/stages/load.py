@@ -242,7 +242,7 @@ def moved_ids(conn: duckdb.DuckDBPyConnection, has_rows: dict[str, bool]) -> lis
     names one record of one feature; a copy of a page under another index is the usual cause."""
     out = []
     for table, row_id in _ROW_IDS.items():
-        if not has_rows.get(f"{table}:held"):
+        if not has_rows.get(f"{table}:moves"):
             continue
         for name, says in ((f"moved_{table}", "now belong to feature {} (a newer capture brought them there)"),
                            (f"kept_{table}", "belong to feature {}, whose capture is newer: not loaded")):
@@ -385,7 +385,7 @@ def _plan(conn: duckdb.DuckDBPyConnection, reprocess: bool) -> dict[str, bool]:
         has_rows[table] = conn.execute(f"SELECT EXISTS (FROM {table})").fetchone()[0]
         row_id = _ROW_IDS.get(table)
         if row_id:
-            has_rows[f"{table}:held"] = _newest_keeps_each_id(conn, table, row_id, has_rows[table])
+            has_rows[f"{table}:moves"] = _newest_keeps_each_id(conn, table, row_id, has_rows[table])
     return has_rows
 
 
