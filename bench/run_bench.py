@@ -259,6 +259,10 @@ def case_export(r: Runner, gib: float, pairs: int) -> dict:
             "stages": _stages(p["ours"])}
 
 
+#: The source case's floor: DuckDB's read_json of the same files into three tables. An
+#: embedding written as a string is cast to DOUBLE[] through JSON, the fastest way DuckDB has
+#: (its VARCHAR-to-list cast costs ~6x the CPU: the floor used it until 2026-12-06, when the
+#: pipeline stopped using it, so that the floor stays DuckDB's best).
 SOURCE_FLOOR_SQL = """
 CREATE TABLE activations AS
 SELECT id AS activation_id, modelId AS model_id, layer AS source_id, CAST("index" AS BIGINT) AS feature_index,
@@ -275,7 +279,7 @@ FROM read_json('{src}/activations/*.jsonl.gz', format = 'newline_delimited', max
 CREATE TABLE explanations AS
 SELECT id AS explanation_id, modelId AS model_id, layer AS source_id, CAST("index" AS BIGINT) AS feature_index,
        description, authorId AS author_id, typeName AS type_name, explanationModelName AS explanation_model,
-       CASE WHEN json_type(embedding) = 'VARCHAR' THEN CAST(embedding ->> '$' AS DOUBLE[])
+       CASE WHEN json_type(embedding) = 'VARCHAR' THEN CAST(CAST(embedding ->> '$' AS JSON) AS DOUBLE[])
             ELSE CAST(embedding AS DOUBLE[]) END AS embedding
 FROM read_json('{src}/explanations/*.jsonl.gz', format = 'newline_delimited', maximum_object_size = 1000000000,
                columns = {{id: 'VARCHAR', modelId: 'VARCHAR', layer: 'VARCHAR', "index": 'VARCHAR',

@@ -722,3 +722,47 @@ def test_a_model_or_source_the_index_does_not_hold_is_named_with_the_nearest(lak
     r = _fh("search", "jokes", "--model", MODEL[:-2], "--warehouse", str(settings.warehouse))
     assert r.returncode == 2 and f"did you mean {MODEL}" in r.stderr, r.stderr
     assert len(find.search(settings, "jokes", source=SOURCE, limit=3)) == 3  # a source it holds narrows as before
+
+
+def test_show_reads_every_part_from_one_snapshot_while_a_load_commits(lake, tmp_path, monkeypatch):
+    """The card's parts are read at once, each on its own cursor: a load that commits after
+    the card took its snapshot, before the parts are read, changes none of them."""
+    import threading
+
+    from pipeline.lake import warehouse
+    from pipeline.outputs.find import card
+
+    settings = _copy(lake, tmp_path)
+    with warehouse.connect(settings, read_only=True) as conn:  # a feature with excerpts and statistics
+        (index,) = conn.execute("SELECT min(feature_index) FROM feature_activation_stats WHERE model_id = ? "
+                                "AND source_id = ?", [MODEL, SOURCE]).fetchone()
+    again = good_page(index, model=MODEL, source=SOURCE)
+    again["explanations"][0].update(description="jokes about penguins", embedding=_unit(5))
+    for a in again["activations"]:
+        a["tokens"] = ["penguin"] * len(a["tokens"])
+    inbox = write(tmp_path / "in" / "again.json", to_api_json(again))
+    key = (MODEL, SOURCE, index)
+    read, once, loaded = card._read, threading.Lock(), []
+
+    def read_after_a_load(conn, sql, params):
+        with once:
+            if not loaded:  # the first part to be read: another process commits first
+                loaded.append(_fh("ingest", str(inbox), "--warehouse", str(settings.warehouse), "--no-progress"))
+        return read(conn, sql, params)
+
+    with warehouse.connect(settings, read_only=True) as conn:
+        before = conn.execute(f"SELECT id FROM {warehouse.CATALOG}.current_snapshot()").fetchone()[0]
+        monkeypatch.setattr(card, "_read", read_after_a_load)
+        view = find.show(settings, key, n_excerpts=50, n_neighbours=0, lake=conn, captures=True)
+        monkeypatch.setattr(card, "_read", read)
+        after = find.show(settings, key, n_excerpts=50, n_neighbours=0, lake=conn, captures=True)
+    assert loaded and loaded[0].returncode == 0, loaded[0].stderr[-2000:]
+    assert view.extra["snapshot"]["id"] == before < after.extra["snapshot"]["id"]
+    assert "jokes about penguins" not in [e["description"] for e in view.explanations]
+    assert view.excerpts and all("penguin" not in e["tokens"] for e in view.excerpts)
+    assert view.stats and all("penguin" not in (s["top_tokens"] or []) for s in view.stats)
+    # ... and read again, the card is the load's
+    assert "jokes about penguins" in [e["description"] for e in after.explanations]
+    assert after.excerpts and all(set(e["tokens"]) == {"penguin"} for e in after.excerpts)
+    assert {c["table_name"] for c in after.extra["captures"]} >= {"activations", "explanations"}
+    assert {c["run_id"] for c in after.extra["captures"]} != {c["run_id"] for c in view.extra["captures"]}

@@ -153,7 +153,7 @@ def _bins(peaks: list[float | None]) -> list[int]:
 def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     sid, t = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
                           "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
-    return {"id": sid, "time": t.strftime("%Y-%m-%d %H:%M:%S UTC") if t else ""}
+    return {"id": sid, "time": t}
 
 
 def _parts(request, names: tuple[str, ...]) -> dict[str, Any] | None:
@@ -203,7 +203,9 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         for said in ("message", "note", "error"):  # an error's words: never the catalog's password
             if isinstance(ctx.get(said), str):
                 ctx[said] = catalog_down.redact(ctx[said])
-        snap = _snapshot(_lake(settings).conn)
+        snap = ctx.pop("_snapshot", None) or _snapshot(_lake(settings).conn)  # the one the page was read at
+        snap = {"id": snap["id"], "time": snap["time"].strftime("%Y-%m-%d %H:%M:%S UTC")
+                if hasattr(snap["time"], "strftime") else (snap["time"] or "")}
         body = env.get_template(name).render(snapshot=snap, **ctx)
         headers = {"Server-Timing": f"app;dur={1000 * (time.perf_counter() - t0):.1f}"} if t0 else {}
         return HTMLResponse(body, status_code=status, headers=headers)
@@ -266,19 +268,18 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         args = [p["model"], p["source"], int(p["index"])]
         lake = _lake(settings).conn
         try:
-            with state.lock, warehouse_mod.one_snapshot(lake):  # one snapshot for every part of the page
+            with state.lock:  # every part of the page from one snapshot (show pins it), read at once
                 if state.finder is None:
                     with contextlib.suppress(find.FindIndexMissing, PermissionError):
                         state.finder = find.Finder(settings)
-                view = find.show(settings, tuple(args), n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder)
-                captures = _rows(lake, "SELECT table_name, captured_at, run_id FROM feature_captures WHERE model_id = ? "
-                                       "AND source_id = ? AND feature_index = ? ORDER BY table_name", args)
+                view = find.show(settings, tuple(args), n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder,
+                                 captures=True)
         except (find.NoSuchFeature, ValueError) as exc:
             return page("error.html.j2", status=404, message=str(exc), _t0=t0)
         top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
         bins = _bins(view.extra.get("peaks") or [])
         return page("feature.html.j2", view=view, key=key, model=p["model"], source=p["source"], index=p["index"],
-                    top=top, captures=captures, bins=bins, _t0=t0)
+                    top=top, captures=view.extra["captures"], bins=bins, _t0=t0, _snapshot=view.extra["snapshot"])
 
     def feature_history(p: dict[str, Any], t0: float):
         from ..lake.history import FeatureKey

@@ -3,10 +3,12 @@ written as text (``render_text``) or a self-contained HTML page (``render_html``
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import html
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,56 +35,106 @@ class FeatureView:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: Threads that read a feature card's parts from the lake at once (``show``): each read pays
+#: DuckLake's own cost (~13 ms on an SQLite catalog) before it reads a byte, so five of them one
+#: after the other were most of a card's time; on their own cursors they overlap (the GIL is
+#: let go inside DuckDB), beside the nearest-neighbour search of the find index.
+_READERS: concurrent.futures.ThreadPoolExecutor | None = None
+_READERS_LOCK = threading.Lock()
+
+
+def _readers() -> concurrent.futures.ThreadPoolExecutor:
+    global _READERS
+    with _READERS_LOCK:
+        if _READERS is None:
+            _READERS = concurrent.futures.ThreadPoolExecutor(max_workers=5, thread_name_prefix="card")
+        return _READERS
+
+
+def _read(lake: duckdb.DuckDBPyConnection, sql: str, params: list) -> list[dict[str, Any]]:
+    cur = lake.cursor()  # a connection of its own to the same database (one statement at a time each)
+    try:
+        got = cur.execute(sql, params)
+        cols = [d[0] for d in got.description]
+        return [dict(zip(cols, r)) for r in got.fetchall()]
+    finally:
+        cur.close()
+
+
 def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *, n_excerpts: int = 5, n_neighbours: int = 5,
-         context: int = 12, lake: duckdb.DuckDBPyConnection | None = None, finder: Finder | None = None) -> FeatureView:
+         context: int = 12, lake: duckdb.DuckDBPyConnection | None = None, finder: Finder | None = None,
+         captures: bool = False) -> FeatureView:
     """A feature as a person reads it: its statistics per data source, its explanations, its
     top excerpts (``context`` tokens each side of the peak) and its nearest neighbours (from
     the find index, when there is one). ``lake`` and ``finder``: a read-only connection and a
-    Finder to use instead of opening them (a long-lived caller: the web app)."""
+    Finder to use instead of opening them (a long-lived caller: the web app). ``captures``:
+    also the runs that loaded its rows (``extra["captures"]``).
+
+    Every part is read from one snapshot of the lake (``extra["snapshot"]``: its id and time),
+    each on a cursor of its own, at once (``_READERS``)."""
     settings = warehouse_mod.settings_for(where)
     model, source, index = parse_key(key)
     k = [model, source, index]
     cond = "model_id = ? AND source_id = ? AND feature_index = ?"
     own = lake is None
     with (warehouse_mod.connect(settings, read_only=True) if own else contextlib.nullcontext(lake)) as lake:
-        def dicts(sql: str, params: list) -> list[dict[str, Any]]:
-            cur = lake.execute(sql, params)
-            cols = [d[0] for d in cur.description]
-            return [dict(zip(cols, r)) for r in cur.fetchall()]
+        snap = lake.execute(f"SELECT id FROM {warehouse_mod.CATALOG}.current_snapshot()").fetchone()[0]
 
-        feature = dicts(f"""SELECT max_act_approx, frac_nonzero, pos_str, pos_values, neg_str, neg_values,
-                                   hook_name, captured_at FROM features WHERE {cond}""", k)
-        stats = dicts(f"""SELECT data_source, n_examples, n_active_tokens, round(active_token_fraction, 5) AS active_token_fraction,
+        def at(table: str) -> str:  # the table as of that snapshot, from any cursor
+            return f"{warehouse_mod.CATALOG}.{table} AT (VERSION => {int(snap)})"
+
+        queries = {
+            "feature": (f"""SELECT max_act_approx, frac_nonzero, pos_str, pos_values, neg_str, neg_values,
+                                   hook_name, captured_at FROM {at('features')} WHERE {cond}""", k),
+            "stats": (f"""SELECT data_source, n_examples, n_active_tokens, round(active_token_fraction, 5) AS active_token_fraction,
                                  max_activation, round(mean_max_activation, 4) AS mean_max_activation,
                                  list_transform(top_tokens[1:5], t -> t.token) AS top_tokens
-                          FROM feature_activation_stats WHERE {cond} ORDER BY data_source NULLS LAST""", k)
-        explanations = dicts(f"""SELECT description, explanation_model, type_name, embedding IS NOT NULL AS has_embedding
-                                 FROM explanations WHERE {cond} ORDER BY explanation_id""", k)
-        excerpts = dicts(f"""SELECT data_source, max_value, max_value_token_index,
+                          FROM {at('feature_activation_stats')} WHERE {cond} ORDER BY data_source NULLS LAST""", k),
+            "explanations": (f"""SELECT description, explanation_model, type_name, embedding IS NOT NULL AS has_embedding
+                                 FROM {at('explanations')} WHERE {cond} ORDER BY explanation_id""", k),
+            "excerpts": (f"""SELECT data_source, max_value, max_value_token_index,
                                     greatest(max_value_token_index - {int(context)}, 0) AS start,
                                     tokens[greatest(max_value_token_index - {int(context)}, 0) + 1 :
                                            max_value_token_index + {int(context)} + 1] AS tokens,
                                     "values"[greatest(max_value_token_index - {int(context)}, 0) + 1 :
                                              max_value_token_index + {int(context)} + 1] AS "values",
                                     list(max_value) OVER () AS every_peak
-                             FROM activations WHERE {cond}
-                             ORDER BY max_value DESC NULLS LAST, activation_id LIMIT {int(n_excerpts)}""", k)
+                             FROM {at('activations')} WHERE {cond}
+                             ORDER BY max_value DESC NULLS LAST, activation_id LIMIT {int(n_excerpts)}""", k),
+            "snapshot": (f"SELECT snapshot_id AS id, snapshot_time AS time FROM {warehouse_mod.CATALOG}.snapshots() "
+                         "WHERE snapshot_id = ?", [snap]),
+        }
+        if captures:
+            queries["captures"] = (f"SELECT table_name, captured_at, run_id FROM {at('feature_captures')} "
+                                   f"WHERE {cond} ORDER BY table_name", k)
+        pending = {name: _readers().submit(_read, lake, sql, params) for name, (sql, params) in queries.items()}
+        neighbours: Found | None = None
+        note: str | None = None
+        try:
+            with (Finder(settings) if finder is None else contextlib.nullcontext(finder)) as finder:
+                neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else
+                              Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
+                                    [], finder.note))
+                note = finder.note
+        except (FindIndexMissing, NoSuchFeature) as exc:
+            note = str(exc)
+        finally:
+            concurrent.futures.wait(pending.values())  # every cursor done before the lake may close
+        got = {name: f.result() for name, f in pending.items()}
+    feature, stats, explanations, excerpts = got["feature"], got["stats"], got["explanations"], got["excerpts"]
     if not (feature or stats or explanations or excerpts):
         raise NoSuchFeature(f"{model}/{source}/{index} is not in the warehouse at {settings.warehouse}")
     peaks = excerpts[0]["every_peak"] if excerpts else []  # every excerpt's, for a histogram (one scan)
     for e in excerpts:
         e["peak"] = (e["max_value_token_index"] - e["start"]) if e["max_value_token_index"] is not None else None
         del e["every_peak"]
+    extra: dict[str, Any] = {"peaks": peaks, "snapshot": got["snapshot"][0] if got["snapshot"] else {"id": snap, "time": None}}
+    if captures:
+        extra["captures"] = got["captures"]
     view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts,
-                       extra={"peaks": peaks})
-    try:
-        with (Finder(settings) if finder is None else contextlib.nullcontext(finder)) as finder:
-            view.neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else
-                               Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
-                                     [], finder.note))
-            view.note = finder.note
-    except (FindIndexMissing, NoSuchFeature) as exc:
-        view.note = str(exc)
+                       extra=extra)
+    view.neighbours = neighbours
+    view.note = note
     return view
 
 
