@@ -428,7 +428,11 @@ def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_
     new = set(after) - set(before)
     replaced = {k for k in before if k in after and after[k][0] != before[k][0]}
     assert {k.removeprefix("sae/") for k in puts} == new | replaced == {k for k, _ in second.upload.sent}
-    assert new and all(k.startswith("data/") for k in new), new
+    # new: data files, and in hf/ the file of the new feature's run of indices, in each table cut by feature
+    assert any(k.startswith("data/") for k in new), new
+    assert {k for k in new if not k.startswith("data/")} == {
+        f"hf/{t}/{_hf_file('11-resid-post-aa', 400_001)}" for t in ("activations", "explanations", "feature_activation_stats",
+                                                                     "feature_token_stats")}, new
     assert pub.CATALOG_FILE in replaced and all(k == pub.CATALOG_FILE or k.startswith("hf/") for k in replaced)
     for k, v in before.items():  # no data file was sent again, none removed
         if k.startswith("data/"):
@@ -436,7 +440,7 @@ def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_
     assert second.upload.fetched == 0  # the stage already held what S3 holds
     # the dry run named as many objects, the same ones but for the new data files' random names
     assert len(dry.upload.sent) == len(second.upload.sent)
-    assert {k for k, _ in dry.upload.sent if not k.startswith("data/")} == replaced
+    assert {k for k, _ in dry.upload.sent if not k.startswith("data/")} == replaced | {k for k in new if k.startswith("hf/")}
     first_data = sum(v[2] for k, v in before.items() if k.startswith("data/"))
     sent_data = sum(n for k, n in second.upload.sent if k.startswith("data/"))
     assert sent_data <= 0.05 * first_data, (sent_data, first_data)
@@ -1044,3 +1048,71 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
             a.wait()
     assert _what_readers_see(settings, dest)[0] == snap
     _no_leftovers(dest)
+
+
+def _hf_file(source: str, index: int, model: str = "gpt-oss-20b") -> str:
+    """The hf layout's file for a feature of a table cut by source and feature (``pub._chunk_sql``)."""
+    import hashlib
+
+    digest = hashlib.md5(f"{model}\x00{source}".encode()).hexdigest()[:12]
+    return f"{digest}-{index // pub.HF_CHUNK:07d}.parquet"
+
+
+def test_a_later_hf_publication_rewrites_only_the_files_of_the_features_that_changed(tmp_path):
+    """The hf layout is cut by source and runs of HF_CHUNK features: after a load, the files of the
+    features it did not touch are the files before (hard links: not written, not sent again);
+    those it touched are written anew, a new run's file appears, a removed row leaves; and every
+    table reads back as the warehouse holds it at the new snapshot."""
+    import pyarrow.parquet as pq
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    src = "5-res-jb"
+    run_ingest([write(tmp_path / "in" / f"{i}.json", orjson.dumps(good_page(i, source=src)))
+                for i in (1, 2, 2 * pub.HF_CHUNK + 1, 4 * pub.HF_CHUNK + 1)]
+               + [write(tmp_path / "in" / "other.json", orjson.dumps(good_page(3)))], settings)
+    dest = tmp_path / "pub"
+    first = pub.publish(settings, dest)
+    chunked = ["activations", "explanations", "feature_activation_stats", "feature_token_stats"]
+    before = {p.relative_to(dest / "hf"): p.stat().st_ino for p in (dest / "hf").rglob("*.parquet")}
+    for t in chunked:
+        assert {p.name for p in (dest / "hf" / t).glob("*.parquet")} == {
+            _hf_file(src, 1), _hf_file(src, 2 * pub.HF_CHUNK), _hf_file(src, 4 * pub.HF_CHUNK), _hf_file("11-resid-post-aa", 3)}, t
+
+    # feature 4*CHUNK+1 captured again with one activation fewer and a new explanation; a feature of a new run of indices
+    again = good_page(4 * pub.HF_CHUNK + 1, source=src)
+    again["activations"] = again["activations"][:2]
+    again["explanations"][0]["description"] = "rewritten"
+    run_ingest([write(tmp_path / "in2" / "again.json", orjson.dumps(again)),
+                write(tmp_path / "in2" / "new.json", orjson.dumps(good_page(6 * pub.HF_CHUNK, source=src)))], settings)
+    second = pub.publish(settings, dest)
+    assert second.snapshot_id > first.snapshot_id
+    after = {p.relative_to(dest / "hf"): p.stat().st_ino for p in (dest / "hf").rglob("*.parquet")}
+    for t in chunked:
+        kept = [Path(t) / _hf_file(src, 1), Path(t) / _hf_file(src, 2 * pub.HF_CHUNK), Path(t) / _hf_file("11-resid-post-aa", 3)]
+        assert all(after[k] == before[k] for k in kept), t  # the same files: untouched
+        touched = Path(t) / _hf_file(src, 4 * pub.HF_CHUNK)
+        assert after[touched] != before[touched], t
+        assert Path(t) / _hf_file(src, 6 * pub.HF_CHUNK) in after, t
+    assert after[Path("features/data_0.parquet")] != before[Path("features/data_0.parquet")]
+    for t in pub.DEFAULT_TABLES:
+        files = sorted((dest / "hf" / t).glob("*.parquet"))
+        got = pq.ParquetDataset(files).read().to_pylist()
+        assert len(got) == len(warehouse_rows(settings, t, second.snapshot_id)), t
+    acts = pq.ParquetDataset(sorted((dest / "hf" / "activations").glob("*.parquet"))).read().to_pylist()
+    assert sum(a["feature_index"] == 4 * pub.HF_CHUNK + 1 for a in acts) == 2
+    expl = pq.read_table(dest / "hf" / "explanations" / _hf_file(src, 4 * pub.HF_CHUNK)).to_pylist()
+    assert [e["description"] for e in expl] == ["rewritten"]
+    # each file sorted by feature: a lookup reads the row group that holds it
+    for f in (dest / "hf" / "activations").glob("*.parquet"):
+        keys = [(r["model_id"], r["source_id"], r["feature_index"]) for r in pq.read_table(f).to_pylist()]
+        assert keys == sorted(keys), f
+    # the hf bytes written the second time: the touched and new files and the card, not the whole layout
+    hf_total = sum(p.stat().st_size for p in (dest / "hf").rglob("*") if p.is_file())
+    assert second.bytes_by_format["hf"] < 0.75 * hf_total
+    assert second.bytes_by_format["hf"] == sum(
+        (dest / "hf" / k).stat().st_size for k, ino in after.items() if before.get(k) != ino) + len(
+        (dest / "hf" / "README.md").read_bytes())
+    # published again with nothing new: every file kept
+    third = pub.publish(settings, dest)
+    assert {p.relative_to(dest / "hf"): p.stat().st_ino for p in (dest / "hf").rglob("*.parquet")} == after
+    assert third.bytes_by_format.get("hf", 0) == len((dest / "hf" / "README.md").read_bytes())

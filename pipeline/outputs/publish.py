@@ -807,42 +807,145 @@ def _link_or_copy(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
+#: Features per file of a table in the ``hf`` layout: a table keyed by feature is written as one
+#: file per source and run of 1,024 feature indices (Neuronpedia's own export batches: a source's
+#: features in files of 1,024), so a publication after a load rewrites only the files of the
+#: features it changed; the others are hard links to the files before (kept, not sent again).
+HF_CHUNK = 1024
+#: What ``hf/.published.json`` says of how the files are cut (a folder cut otherwise is written whole).
+HF_LAYOUT = f"chunks-{HF_CHUNK}"
+
+
+def _chunked(table: str, names: list[str]) -> bool:
+    """Whether a table is cut into files by source and feature: one keyed by feature (the three
+    key columns), but ``features``, which stays one file (``data_0.parquet``): the table a reader
+    opens first (pandas reads one file over HTTP, where it cannot list a folder), one small row
+    a feature (~0.2 % of a publication's bytes)."""
+    return table != "features" and all(k in names for k in _KEY)
+
+
+def _chunk_sql(a: str = "") -> str:
+    """SQL for the file a row goes to (``_chunked``): its source's digest and its run of indices,
+    as the file's name without ``.parquet``. ``a``: the rows' alias and a dot."""
+    return (f"left(md5(coalesce({a}model_id, '') || chr(0) || coalesce({a}source_id, '')), 12) || '-' || "
+            f"lpad(CAST(coalesce({a}feature_index // {HF_CHUNK}, -1) AS VARCHAR), 7, '0')")
+
+
+def _hf_held(dest: Path) -> dict[str, Any]:
+    """What ``hf/.published.json`` says: each table's snapshot stamp, columns and how its files are cut."""
+    try:
+        got = json.loads((dest / "hf" / HF_MARK).read_text(encoding="utf-8"))
+        return got if isinstance(got, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _hf_changed_chunks(conn: duckdb.DuckDBPyConnection, table: str, held: dict[str, Any], snap: int,
+                       cols: list[tuple[str, str]], wid: str) -> set[str] | None:
+    """The files of ``table`` the warehouse's changes since the snapshot its ``hf/`` files hold
+    touch (from DuckLake's change feed), or None when they cannot be told (written whole): cut
+    otherwise, other columns, another warehouse, an expired or restored snapshot."""
+    stamp = (held.get("tables") or {}).get(table)
+    if held.get("layout") != HF_LAYOUT or not isinstance(stamp, str) or stamp.count("|") != 2:
+        return None
+    if (held.get("columns") or {}).get(table) != [list(c) for c in cols]:
+        return None
+    hwid, hsnap, htime = stamp.split("|")
+    try:
+        prev = {"warehouse_id": hwid, "snapshot_id": int(hsnap), "snapshot_time": datetime.fromisoformat(htime)}
+    except ValueError:
+        return None
+    if _change_feed_covers(conn, prev, snap, wid):
+        return None
+    since = prev["snapshot_id"]
+    if since == snap:
+        return set()
+    feed = f"ducklake_table_changes('{CATALOG}', 'main', '{table}', {since + 1}, {snap})"
+    if not _chunked(table, [c for c, _ in cols]):  # one file: touched by any change
+        return {"data_0"} if conn.execute(f"SELECT EXISTS (FROM {feed})").fetchone()[0] else set()
+    return {r[0] for r in conn.execute(f"SELECT DISTINCT {_chunk_sql()} FROM {feed}").fetchall()}
+
+
+def _write_hf_table(conn: duckdb.DuckDBPyConnection, table: str, names: list[str], snap: int, target: Path,
+                    old: Path | None, changed: set[str] | None) -> None:
+    """Write ``table``'s files into ``target``: cut by source and feature (``_chunked``), each file
+    sorted; with ``old`` (the files before) and ``changed`` (the files the changes touch), the
+    others are linked from ``old`` and only those are written (an emptied one is left out)."""
+    sel = ", ".join(_ident(c) for c in names)
+    src = f"{CATALOG}.main.{table} AT (VERSION => {snap})"
+    opts = f"FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {ROW_GROUP_ROWS}"
+    target.mkdir(parents=True, exist_ok=True)
+    if not _chunked(table, names):  # features, and the small tables (models, sources, ...): one file
+        conn.execute(f"COPY (SELECT {sel} FROM {src} ORDER BY {_order(names)}) TO '{_q(str(target / 'data_0.parquet'))}' ({opts})")
+        return
+    where = ""
+    if old is not None and changed is not None:
+        for f in sorted(old.glob("*.parquet")):
+            if f.stem not in changed:
+                _link_or_copy_file(f, target / f.name)
+        if not changed:
+            return
+        conn.execute("CREATE OR REPLACE TEMP TABLE _hf_changed (chunk VARCHAR)")
+        conn.executemany("INSERT INTO _hf_changed VALUES (?)", [[c] for c in sorted(changed)])
+        where = "WHERE _chunk IN (SELECT chunk FROM _hf_changed)"
+    # sorted once into a temp table, then one file a chunk (DuckDB's PARTITION_BY does not keep
+    # the rows' order inside a file, which a lookup by feature needs: one row group, not all)
+    conn.execute(f"CREATE OR REPLACE TEMP TABLE _hf_rows AS SELECT * FROM (SELECT {sel}, {_chunk_sql()} AS _chunk "
+                 f"FROM {src}) {where} ORDER BY _chunk, {_order(names)}")
+    try:
+        for (chunk,) in conn.execute("SELECT DISTINCT _chunk FROM _hf_rows ORDER BY 1").fetchall():
+            conn.execute(f"COPY (SELECT {sel} FROM _hf_rows WHERE _chunk = $c ORDER BY {_order(names)}) "
+                         f"TO '{_q(str(target / (chunk + '.parquet')))}' ({opts})", {"c": chunk})
+    finally:
+        conn.execute("DROP TABLE IF EXISTS _hf_rows")
+
+
+def _link_or_copy_file(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
-                include_private: bool, license: str | None, changed: dict[str, str], out: Published) -> None:
-    """Write ``DEST/hf/`` whole into a scratch folder, then swap it in: ``hf/`` is the publication
-    before or this one, never some of each (killed part-way, the next sweeps the scratch)."""
+                include_private: bool, license: str | None, out: Published) -> None:
+    """Write ``DEST/hf/`` into a scratch folder, then swap it in: ``hf/`` is the publication
+    before or this one, never some of each (killed part-way, the next sweeps the scratch). Files
+    the warehouse's changes since the files before did not touch are hard links to them."""
     hf = dest / "hf"
-    held = _held_hf(dest) if hf.is_dir() else {}
-    here = _stamp(_warehouse_id(conn), snap, snap_time)
+    held = _hf_held(dest) if hf.is_dir() else {}
+    wid = _warehouse_id(conn)
+    here = _stamp(wid, snap, snap_time)
     stage = dest / f"{SCRATCH}{os.getpid()}-hf"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     try:
         now: dict[str, str] = {}
+        columns: dict[str, list[list[str]]] = {}
         for table in tables:
             folder = hf / table
             target = stage / table
             now[table] = here
-            # kept only when its files hold this snapshot, or the one the DuckLake held before and the
-            # table did not change since (what `ducklake` just found in the change feed)
-            if folder.is_dir() and (held.get(table) == here or (
-                    out.base and held.get(table) == out.base and changed.get(table) == "unchanged")):
+            cols = _columns(conn, table, snap, include_private)
+            columns[table] = [list(c) for c in cols]
+            names = [c for c, _ in cols]
+            touched = _hf_changed_chunks(conn, table, held, snap, cols, wid) if folder.is_dir() else None
+            if touched is not None and not touched:  # its files hold what this snapshot has
                 _link_or_copy(folder, target)
                 continue
-            names = [c for c, _ in _columns(conn, table, snap, include_private)]
-            sel = ", ".join(_ident(c) for c in names)
-            conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) ORDER BY {_order(names)}) "
-                         f"TO '{_q(str(target))}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE {ROW_GROUP_ROWS}, "
-                         "FILE_SIZE_BYTES '512MB', PER_THREAD_OUTPUT false)")
+            before = _files(folder) if touched is not None else {}
+            _write_hf_table(conn, table, names, snap, target, folder if touched is not None else None, touched)
             if not any(target.glob("*.parquet")):  # an empty table: one file with its columns
-                target.mkdir(exist_ok=True)
-                conn.execute(f"COPY (SELECT {sel} FROM {CATALOG}.main.{table} AT (VERSION => {snap}) LIMIT 0) "
-                             f"TO '{_q(str(target / 'data_0.parquet'))}' (FORMAT parquet)")
-            new = _files(target)
+                conn.execute(f"COPY (SELECT {', '.join(_ident(c) for c in names)} FROM {CATALOG}.main.{table} "
+                             f"AT (VERSION => {snap}) LIMIT 0) TO '{_q(str(target / 'data_0.parquet'))}' (FORMAT parquet)")
+            linked = {Path(k).name for k in before}
+            new = {k: v for k, v in _files(target).items()
+                   if Path(k).name not in linked or not os.path.samefile(k, folder / Path(k).name)}
             out.files_written += len(new)
             out.bytes_written += sum(new.values())
             out.bytes_by_format["hf"] = out.bytes_by_format.get("hf", 0) + sum(new.values())
-        (stage / HF_MARK).write_text(json.dumps({"tables": now}, indent=1), encoding="utf-8")
+        (stage / HF_MARK).write_text(json.dumps({"layout": HF_LAYOUT, "tables": now, "columns": columns}, indent=1),
+                                     encoding="utf-8")
         files = {t: sorted(p.name for p in (stage / t).glob("*.parquet")) for t in tables}
         card = _card(conn, tables, snap, snap_time, license, include_private, files)
         (stage / "README.md").write_text(card, encoding="utf-8")
@@ -910,11 +1013,10 @@ def _publish_folder(settings: Settings, dest: Path, *, snapshot: int | None, at:
             _sweep(dest)
             conn.execute(f"SET temp_directory = '{_q(str(spill))}'")
         out = Published(dest, snap, snap_time, tuple(formats), dry_run=dry_run, url=url)
-        changed: dict[str, str] = {}
         if "ducklake" in formats:
-            changed = _publish_ducklake(conn, dest, names, snap, snap_time, include_private, url, dry_run, out)
+            _publish_ducklake(conn, dest, names, snap, snap_time, include_private, url, dry_run, out)
         if "hf" in formats and not dry_run:
-            _publish_hf(conn, dest, names, snap, snap_time, include_private, license, changed, out)
+            _publish_hf(conn, dest, names, snap, snap_time, include_private, license, out)
         elif "hf" in formats and not out.tables:
             out.tables = [TableDone(t, _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})"), "whole") for t in names]
     finally:
