@@ -368,3 +368,38 @@ def test_a_feature_pages_histogram_counts_as_the_sql_it_replaced(peaks):
     for b, n in rows:
         want[max(0, b)] += n
     assert _bins(peaks) == want
+
+
+def test_the_footer_gives_the_snapshots_time_in_utc_whatever_the_servers_zone(served):
+    """Found from outside: a server in another zone wrote its local time, labelled UTC."""
+    import datetime
+    import re
+    import urllib.request
+
+    from pipeline.lake import warehouse as wh
+
+    settings, _ = served
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            env={**os.environ, "TZ": "Asia/Tokyo"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.1)
+        for path in ("/", "/f/gpt-oss-20b/11-resid-post-aa/1"):
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60).read().decode()
+            sid, shown = re.search(r"warehouse snapshot (\d+) \(([^)]*)\)", body).groups()
+            with wh.connect(settings, read_only=True) as conn:
+                (t,) = conn.execute(f"SELECT snapshot_time FROM {wh.CATALOG}.snapshots() WHERE snapshot_id = ?",
+                                    [int(sid)]).fetchone()
+            want = (t.astimezone(datetime.timezone.utc) if t.tzinfo else t).strftime("%Y-%m-%d %H:%M:%S UTC")
+            assert shown == want, (path, shown, want)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

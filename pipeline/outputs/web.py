@@ -24,6 +24,7 @@ any other failure a 500 with the error's first line.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import math
@@ -150,6 +151,16 @@ def _bins(peaks: list[float | None]) -> list[int]:
     return bins
 
 
+def utc_text(t: Any) -> str:
+    """A snapshot's time as the footer writes it, in UTC whatever the server's zone (DuckDB gives
+    a TIMESTAMPTZ in the process's zone); a naive one is UTC already (the lake's own times)."""
+    if not isinstance(t, datetime.datetime):
+        return "" if t is None else str(t)
+    if t.tzinfo is not None:
+        t = t.astimezone(datetime.timezone.utc)
+    return t.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
 def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     sid, t = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
                           "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
@@ -204,8 +215,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
             if isinstance(ctx.get(said), str):
                 ctx[said] = catalog_down.redact(ctx[said])
         snap = ctx.pop("_snapshot", None) or _snapshot(_lake(settings).conn)  # the one the page was read at
-        snap = {"id": snap["id"], "time": snap["time"].strftime("%Y-%m-%d %H:%M:%S UTC")
-                if hasattr(snap["time"], "strftime") else (snap["time"] or "")}
+        snap = {"id": snap["id"], "time": utc_text(snap["time"])}
         body = env.get_template(name).render(snapshot=snap, **ctx)
         headers = {"Server-Timing": f"app;dur={1000 * (time.perf_counter() - t0):.1f}"} if t0 else {}
         return HTMLResponse(body, status_code=status, headers=headers)
