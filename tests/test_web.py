@@ -33,6 +33,25 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _serve(warehouse: Path, **env: str) -> tuple[subprocess.Popen, int]:
+    """`featurehouse serve` of ``warehouse`` on a free port, returned once it answers (with ``env``
+    beside the test's environment); one that does not start fails the test with its stderr."""
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(warehouse),
+                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, **env})
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc, port
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"serve did not start: {proc.communicate()[1][-2000:]}") from None
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("web")
@@ -48,19 +67,7 @@ def served(tmp_path_factory):
     run_ingest(sorted((ROOT / "samples").iterdir()) + pages, settings)
     subprocess.run([sys.executable, "-m", "pipeline.cli", "index", "--warehouse", str(settings.warehouse)],
                    check=True, capture_output=True)
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"serve did not start: {proc.communicate()[1].decode()[-2000:]}") from None
-            time.sleep(0.1)
+    proc, port = _serve(settings.warehouse)
     yield settings, f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(timeout=20)
@@ -256,20 +263,9 @@ def test_a_postgresql_catalog_that_stops_is_a_503_page_never_its_password(tmp_pa
     with postgres_cluster(password=secret) as pg:
         settings = Settings(warehouse=tmp_path / "wh", catalog=pg.catalog)
         wh.connect(settings, create=True).close()  # an empty warehouse: the pages need no rows to fail
-        port = _port()
-        proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
-                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=ROOT, env={**os.environ, "FEATUREHOUSE_CATALOG": pg.catalog})
+        proc, port = _serve(settings.warehouse, FEATUREHOUSE_CATALOG=pg.catalog)
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
-                    time.sleep(0.1)
             assert _get(base, "/")[0] == 200
             pg_port = re.search(r"port=(\d+)", pg.catalog)[1]
             data = next(p.parent for p in Path("/tmp").glob("featurehouse-pg-*/data/postmaster.pid")
@@ -379,19 +375,8 @@ def test_the_footer_gives_the_snapshots_time_in_utc_whatever_the_servers_zone(se
     from pipeline.lake import warehouse as wh
 
     settings, _ = served
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--warehouse", str(settings.warehouse),
-                             "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
-                            env={**os.environ, "TZ": "Asia/Tokyo"})
+    proc, port = _serve(settings.warehouse, TZ="Asia/Tokyo")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
-                time.sleep(0.1)
         for path in ("/", "/f/gpt-oss-20b/11-resid-post-aa/1"):
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60).read().decode()
             sid, shown = re.search(r"warehouse snapshot (\d+) \(([^)]*)\)", body).groups()
