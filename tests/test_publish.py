@@ -1116,3 +1116,21 @@ def test_a_later_hf_publication_rewrites_only_the_files_of_the_features_that_cha
     third = pub.publish(settings, dest)
     assert {p.relative_to(dest / "hf"): p.stat().st_ino for p in (dest / "hf").rglob("*.parquet")} == after
     assert third.bytes_by_format.get("hf", 0) == len((dest / "hf" / "README.md").read_bytes())
+
+
+def test_an_emptied_or_filled_hf_table_keeps_no_stale_file(tmp_path):
+    """A table cut by feature that was empty (one file of its columns) and then holds rows has
+    only its rows' files after, and one emptied again only the file of its columns."""
+    import pyarrow.parquet as pq
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    bare = good_page(1, source="5-res-jb")
+    bare["activations"] = []
+    run_ingest([write(tmp_path / "in" / "1.json", orjson.dumps(bare))], settings)
+    dest = tmp_path / "pub"
+    pub.publish(settings, dest, formats=("hf",))
+    assert [p.name for p in (dest / "hf" / "activations").glob("*.parquet")] == ["data_0.parquet"]
+    run_ingest([write(tmp_path / "in2" / "1.json", orjson.dumps(good_page(1, source="5-res-jb")))], settings)
+    r = pub.publish(settings, dest, formats=("hf",))
+    assert [p.name for p in (dest / "hf" / "activations").glob("*.parquet")] == [_hf_file("5-res-jb", 1)]
+    assert pq.read_table(dest / "hf" / "activations").num_rows == len(warehouse_rows(settings, "activations", r.snapshot_id))

@@ -741,20 +741,12 @@ def _card(conn: duckdb.DuckDBPyConnection, tables: list[str], snap: int, snap_ti
     return "\n".join(lines)
 
 
-def _held_hf(dest: Path) -> dict[str, str]:
-    """Which warehouse snapshot each table's files in ``hf/`` hold, as ``hf/.published.json`` says."""
-    try:
-        return dict(json.loads((dest / "hf" / HF_MARK).read_text(encoding="utf-8")).get("tables", {}))
-    except (OSError, ValueError, AttributeError, TypeError):
-        return {}
-
-
 def _check_hf(dest: Path, tables: list[str]) -> None:
     """``hf/`` is replaced whole: refuse when it holds anything a publication did not make."""
     hf = dest / "hf"
     if not hf.is_dir():
         return
-    ours = set(_held_hf(dest)) | set(tables)
+    ours = set(_hf_held(dest).get("tables") or {}) | set(tables)
     other = sorted(p.name for p in hf.iterdir() if p.name not in (HF_MARK, "README.md") and not
                    p.name.startswith(SCRATCH) and not (p.name in ours and p.is_dir() and not p.is_symlink()))
     if other:
@@ -861,9 +853,12 @@ def _hf_changed_chunks(conn: duckdb.DuckDBPyConnection, table: str, held: dict[s
     if since == snap:
         return set()
     feed = f"ducklake_table_changes('{CATALOG}', 'main', '{table}', {since + 1}, {snap})"
-    if not _chunked(table, [c for c, _ in cols]):  # one file: touched by any change
-        return {"data_0"} if conn.execute(f"SELECT EXISTS (FROM {feed})").fetchone()[0] else set()
-    return {r[0] for r in conn.execute(f"SELECT DISTINCT {_chunk_sql()} FROM {feed}").fetchall()}
+    try:
+        if not _chunked(table, [c for c, _ in cols]):  # one file: touched by any change
+            return {"data_0"} if conn.execute(f"SELECT EXISTS (FROM {feed})").fetchone()[0] else set()
+        return {r[0] for r in conn.execute(f"SELECT DISTINCT {_chunk_sql()} FROM {feed}").fetchall()}
+    except duckdb.Error:  # the feed cannot say (a table made again in between): written whole
+        return None
 
 
 def _write_hf_table(conn: duckdb.DuckDBPyConnection, table: str, names: list[str], snap: int, target: Path,
@@ -881,7 +876,7 @@ def _write_hf_table(conn: duckdb.DuckDBPyConnection, table: str, names: list[str
     where = ""
     if old is not None and changed is not None:
         for f in sorted(old.glob("*.parquet")):
-            if f.stem not in changed:
+            if f.stem not in changed and f.name != "data_0.parquet":  # (that: an empty table's columns)
                 _link_or_copy_file(f, target / f.name)
         if not changed:
             return
