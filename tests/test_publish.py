@@ -698,11 +698,19 @@ def test_a_publication_killed_part_way_leaves_the_previous_one_whole(built, tmp_
     first = pub.publish(settings, dest, formats=("ducklake",))
     want = warehouse_rows(settings, "activations", first.snapshot_id)
     run_ingest([write(tmp_path / "more" / "77.json", orjson.dumps(good_page(77)))], settings)
-    # killed at several moments of a whole rewrite (--snapshot older than the published: no change feed)
-    for delay, sig in ((0.4, signal.SIGKILL), (0.9, signal.SIGTERM), (1.5, signal.SIGKILL), (1.2, signal.SIGTERM)):
+    # killed at several moments of a whole rewrite (--snapshot older than the published: no change feed),
+    # counted from when it holds the folder's lock (counted from its start, a loaded machine's
+    # imports took the whole delay: the SIGTERM came before the handler that says so, exit -15)
+    for delay, sig in ((0.05, signal.SIGKILL), (0.4, signal.SIGTERM), (1.0, signal.SIGKILL), (0.7, signal.SIGTERM)):
         proc = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format",
                                  "ducklake", "--snapshot", str(first.snapshot_id - 1)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads((dest / pub.LOCK_FILE).read_bytes() or b"{}").get("pid") == proc.pid:
+                    break
+            time.sleep(0.01)
         time.sleep(delay)
         proc.send_signal(sig)
         _, err = proc.communicate()
