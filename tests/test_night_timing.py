@@ -81,5 +81,8 @@ def test_fetch_features_seconds_cover_every_stage_and_match_status(tmp_path):
     # one after another (``stats`` is inside ``commit``): together, no longer than the run
     assert summary["seconds"] >= sum(v for k, v in stages.items() if k != "stats"), summary
     run = run_row(settings_in(wh), summary["run_id"])
-    assert abs(run["seconds"] - summary["seconds"]) < 0.25, (run["seconds"], summary["seconds"])
+    # the same span, told by two clocks read a moment apart: 0.257 s apart once on a loaded machine
+    # (a stage left out of either would be most of a second: the report alone takes that)
+    assert abs(run["seconds"] - summary["seconds"]) < max(0.25, 0.05 * summary["seconds"]), (
+        run["seconds"], summary["seconds"])
 
