@@ -70,12 +70,13 @@ def _start(path: Path, settings: Settings) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def _lock_once_running(settings: Settings, proc: subprocess.Popen):
-    """Take the commit lock as soon as the other process's run is recorded (it takes the lock
-    to open the warehouse and to record its run; then not until its batch's commit, seconds
-    later: it lands, parses and validates first)."""
+def _lock_once_running(settings: Settings, proc: subprocess.Popen, runs: int = 1):
+    """Take the commit lock as soon as the other processes' ``runs`` runs are recorded (each takes
+    the lock to open the warehouse and to record its run; then not until its batch's commit,
+    seconds later: it lands, parses and validates first). Taken when only one of two had
+    recorded its run, the other waited for the lock the test held (the suite's CI, loaded)."""
     def running() -> bool:
-        return bool(query(settings.warehouse, "SELECT count(*) FROM runs WHERE status = 'running'")[0][0])
+        return query(settings.warehouse, "SELECT count(*) FROM runs WHERE status = 'running'")[0][0] >= runs
 
     _wait_for(running, 120, proc)
     with wh.write_lock(settings):
@@ -240,7 +241,7 @@ def test_two_writers_of_one_file_at_once_record_what_is_held(tmp_path):
     before = _ours(settings.warehouse)
     page = _page("v1", datetime(2026, 1, 1), tmp_path / "in1")
     first, second = _start(page, settings), _start(page, settings)
-    with _lock_once_running(settings, first):
+    with _lock_once_running(settings, first, runs=2):
         _wait_for(lambda: len(_ours(settings.warehouse) - before) == 6, 300, first)  # both wrote theirs
     for proc in (first, second):
         out, err = proc.communicate(timeout=300)
