@@ -29,9 +29,12 @@ def test_200_features_with_random_faults_all_land_exactly_once(tmp_path):
     assert len(faults) == 20
     assert {k for kinds in faults.values() for k in kinds} >= {"429", "drop", "truncate"}
     settings = settings_in(tmp_path)
-    with FakeNeuronpedia(pages=pages(n), faults=faults, retry_after="0", slow_seconds=1.0) as np:
+    # the client's timeout well above a plain answer's time on a loaded machine (at FAST's 0.5 s, an
+    # answer without a fault once took longer under the suite's load: asked twice), the slow fault
+    # well above it
+    with FakeNeuronpedia(pages=pages(n), faults=faults, retry_after="0", slow_seconds=3.0) as np:
         result = fetch_features(MODEL, SOURCE, range(n), settings=settings, base_url=np.base_url,
-                                window="w-faults", concurrency=8, **FAST)
+                                window="w-faults", concurrency=8, **{**FAST, "timeout": 1.5})
         for p in paths:  # each faulted URL: one request per fault, then the one that landed
             assert np.count(p) == len(faults.get(p, [])) + 1, p
 
