@@ -792,11 +792,16 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     for f in sorted(src.iterdir()):
         if f.is_dir():
             _link_or_copy(f, dst / f.name)
-            continue
-        try:
-            os.link(f, dst / f.name)
-        except OSError:
-            shutil.copy2(f, dst / f.name)
+        else:
+            _link_or_copy_file(f, dst / f.name)
+
+
+def _link_or_copy_file(src: Path, dst: Path) -> None:
+    """``dst`` is ``src``: a hard link, else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 #: Features per file of a table in the ``hf`` layout: a table keyed by feature is written as one
@@ -899,13 +904,6 @@ def _write_hf_table(conn: duckdb.DuckDBPyConnection, table: str, names: list[str
     finally:
         conn.execute(f"SET threads = {int(threads)}")
         conn.execute("DROP TABLE IF EXISTS _hf_rows")
-
-
-def _link_or_copy_file(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
