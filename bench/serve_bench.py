@@ -8,9 +8,10 @@ W defaults to find_bench's 262,144-feature warehouse (bench/out/find-wh-262144),
 it, then ``--n`` more; prints the median of the server's own time (its Server-Timing header), of
 the whole request and of the time to the first byte on loopback, the server's resident memory
 after them, and the browser's load event for a feature page (Playwright driving the system's
-Chromium, when there is one). Goals: search, feature, by-token ≤ 100 ms of server time warm; a
-source page ≤ 300 ms; a feature page's first byte ≤ 50 ms; the load event ≤ 500 ms; ≤ 1 GB
-resident.
+Chromium, when there is one). Goals: search, feature, by-token ≤ 100 ms warm; a source page
+≤ 300 ms; a feature page's first byte ≤ 50 ms; the load event ≤ 500 ms; ≤ 1 GB resident. A page's
+time is judged on the whole request on loopback, not the Server-Timing header: a feature page is
+sent in two parts (the card, then the nearest features), and its header can time only the first.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def main() -> None:
           f"(goal <= 1024: {'met' if res['rss_mb'] <= 1024 else 'NOT met'})")
     for name, f in res["pages"].items():
         goal = GOALS_MS.get(name)
-        verdict = f"  goal <= {goal} ms: {'met' if f['server_ms'] <= goal else 'NOT met'}" if goal else ""
+        verdict = f"  goal <= {goal} ms (request): {'met' if f['total_ms'] <= goal else 'NOT met'}" if goal else ""
         print(f"       {name:<9} server {f['server_ms']:>7.1f} ms, request {f['total_ms']:>7.1f} ms, "
               f"first byte {f['first_byte_ms']:>7.1f} ms{verdict}")
     fb = res["pages"]["feature"]["first_byte_ms"]

@@ -766,3 +766,95 @@ def test_show_reads_every_part_from_one_snapshot_while_a_load_commits(lake, tmp_
     assert after.excerpts and all(set(e["tokens"]) == {"penguin"} for e in after.excerpts)
     assert {c["table_name"] for c in after.extra["captures"]} >= {"activations", "explanations"}
     assert {c["run_id"] for c in after.extra["captures"]} != {c["run_id"] for c in view.extra["captures"]}
+
+
+# --- the feature card from the index ---------------------------------------------------------
+
+
+def _many_excerpts_page(index: int) -> dict:
+    """A feature with 14 excerpts: ties on the peak (the order falls to the excerpt's id), a peak at
+    the first token and at the last (the context cut at each end), one past 12 tokens each side,
+    a NULL peak and a NULL data source."""
+    page = good_page(index, model="card-model", source="3-res")
+    acts = []
+    for i in range(14):
+        values = [round(0.25 * ((i * 7 + j) % 5), 2) for j in range(40)] if i != 3 else [0.0] * 3
+        peak = max(values)
+        at = {0: 0, 1: 39, 2: 20}.get(i, values.index(peak))
+        values[at] = peak = 9.5 if i in (4, 5, 6) else peak + 0.5 + i / 100
+        acts.append({**page["activations"][0], "id": f"act-card-{index}-{13 - i:02d}",
+                     "dataSource": ["Chat", "Non-Chat", None][i % 3], "tokens": [f"w{i}_{j}" for j in range(len(values))],
+                     "values": values, "maxValue": peak, "maxValueTokenIndex": at, "minValue": min(values)})
+    page["activations"] = acts
+    page["explanations"].append({"id": f"exp-card-{index}-b", "description": "a second explanation",
+                                 "explanationModelName": "claude", "typeName": "oai_token-act-pair", "scores": [],
+                                 "embedding": _unit(index)})
+    return page
+
+
+def _card_parts(view) -> dict:
+    return {"feature": view.feature, "stats": view.stats, "explanations": view.explanations,
+            "excerpts": view.excerpts, "peaks": sorted(view.extra["peaks"], key=lambda v: (v is None, v)),
+            "captures": view.extra.get("captures")}
+
+
+def test_a_card_from_the_index_is_the_lakes_card(lake, tmp_path, monkeypatch):
+    """When the find index is current, `show` answers from its card tables without reading the
+    lake, and every part equals the lake's card of the same snapshot: for every feature of the
+    warehouse, at the sizes the web app and the CLI ask for; one the index cannot answer (more
+    excerpts or context than it keeps, a commit since) is read from the lake."""
+    from pipeline.lake import warehouse
+    from pipeline.outputs.find import card
+
+    settings = _copy(lake, tmp_path)
+    run_ingest([write(tmp_path / "in" / "many.json", to_api_json(_many_excerpts_page(11)))], settings)
+    assert find.refresh_index(settings).mode == "refreshed"
+    with warehouse.connect(settings, read_only=True) as conn:
+        keys = conn.execute("""SELECT DISTINCT model_id, source_id, feature_index FROM (
+                                   SELECT model_id, source_id, feature_index FROM explanations
+                                   UNION ALL SELECT model_id, source_id, feature_index FROM feature_activation_stats)
+                               ORDER BY ALL""").fetchall()
+        snap = conn.execute(f"SELECT id FROM {warehouse.CATALOG}.current_snapshot()").fetchone()[0]
+    assert len(keys) > 1000 and ("card-model", "3-res", 11) in keys
+    sizes = [(10, 12), (5, 12), (3, 4), (14, 12), (10, 0), (2, 13)]
+    with find.Finder(settings) as finder, warehouse.connect(settings, read_only=True) as conn:
+        for n, ctx in sizes:
+            for key in (keys[::10] if (n, ctx) == (10, 12) else keys[::97]) + [("card-model", "3-res", 11)]:
+                got = find.show(settings, key, n_excerpts=n, context=ctx, n_neighbours=0, lake=conn, finder=finder,
+                                captures=True)
+                assert got.extra["from"] == ("index" if n <= 10 and ctx <= 12 else "lake"), (key, n, ctx)
+                assert got.extra["snapshot"]["id"] == snap
+                monkeypatch.setattr(finder, "card", lambda *a, **kw: None)  # the lake's card
+                want = find.show(settings, key, n_excerpts=n, context=ctx, n_neighbours=0, lake=conn, finder=finder,
+                                 captures=True)
+                monkeypatch.undo()
+                assert want.extra["from"] == "lake"
+                assert _card_parts(got) == _card_parts(want), (key, n, ctx)
+        many = find.show(settings, ("card-model", "3-res", 11), n_excerpts=10, n_neighbours=3, finder=finder)
+    assert len(many.excerpts) == 10 and len(many.extra["peaks"]) == 14 and len(many.explanations) == 2
+    assert [e["max_value"] for e in many.excerpts][:3] == [9.5, 9.5, 9.5]
+    assert many.neighbours is not None and len(many.neighbours.rows) == 3
+    # a commit since the index's snapshot: the card is the lake's, and it holds the change
+    page = _many_excerpts_page(11)
+    page["explanations"][0]["description"] = "rewritten after the index"
+    run_ingest([write(tmp_path / "in2" / "again.json", to_api_json(page))], settings)
+    stale = find.show(settings, ("card-model", "3-res", 11), n_neighbours=0)
+    assert stale.extra["from"] == "lake" and "rewritten after the index" in [e["description"] for e in stale.explanations]
+    find.refresh_index(settings)
+    fresh = find.show(settings, ("card-model", "3-res", 11), n_neighbours=0, captures=True)
+    assert fresh.extra["from"] == "index" and _card_parts(fresh) == _card_parts(stale) | {"captures": fresh.extra["captures"]}
+    assert {c["table_name"] for c in fresh.extra["captures"]} == {"features", "activations", "explanations"}
+    with warehouse.connect(settings, read_only=True) as conn:
+        assert fresh.extra["snapshot"]["id"] == conn.execute(
+            f"SELECT id FROM {warehouse.CATALOG}.current_snapshot()").fetchone()[0]
+    # the card tables hold only what the index's features are (nothing left of a replaced capture)
+    with find.Finder(settings) as finder:
+        for t in card_tables():
+            (orphans,) = finder.conn.execute(f"SELECT count(*) FROM {t} ANTI JOIN features USING (fid)").fetchone()
+            assert orphans == 0, t
+
+
+def card_tables() -> tuple[str, ...]:
+    from pipeline.outputs.find.build import _CARD_TABLES
+
+    return _CARD_TABLES

@@ -65,6 +65,9 @@ SORTS = {"index": "feature_index", "max": "max_act_approx DESC NULLS LAST, featu
          "quarantined": "n_quarantined DESC, feature_index"}
 
 
+#: Where the feature page's nearest features go, sent after the rest of the card.
+_NEIGHBOURS = "<!-- featurehouse: the nearest features -->"
+
 _round = rounded  # one way to write a number for people: the report's, the card's (text.py)
 
 
@@ -192,6 +195,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
     """The Starlette application over the warehouse at ``where``; ``host``: the address it listens
     on, besides loopback's names (requests naming another host are refused)."""
     import jinja2
+    import markupsafe
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, PlainTextResponse, Response, StreamingResponse
@@ -209,7 +213,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
     env.filters["density"] = density
     env.filters["q"] = lambda s: quote(str(s), safe="")
 
-    def page(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    def rendered(name: str, **ctx: Any) -> tuple[str, dict[str, str]]:
         t0 = ctx.pop("_t0", None)
         for said in ("message", "note", "error"):  # an error's words: never the catalog's password
             if isinstance(ctx.get(said), str):
@@ -218,6 +222,10 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         snap = {"id": snap["id"], "time": utc_text(snap["time"])}
         body = env.get_template(name).render(snapshot=snap, **ctx)
         headers = {"Server-Timing": f"app;dur={1000 * (time.perf_counter() - t0):.1f}"} if t0 else {}
+        return body, headers
+
+    def page(name: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+        body, headers = rendered(name, **ctx)
         return HTMLResponse(body, status_code=status, headers=headers)
 
     def found(fn) -> tuple[list[dict[str, Any]], str | None]:
@@ -275,21 +283,49 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         if p.pop("history", False):
             return feature_history(p, t0)
         key = f"{p['model']}/{p['source']}/{p['index']}"
-        args = [p["model"], p["source"], int(p["index"])]
+        args = (p["model"], p["source"], int(p["index"]))
         lake = _lake(settings).conn
         try:
-            with state.lock:  # every part of the page from one snapshot (show pins it), read at once
+            with state.lock:  # every part of the card from one snapshot (show pins it)
                 if state.finder is None:
                     with contextlib.suppress(find.FindIndexMissing, PermissionError):
                         state.finder = find.Finder(settings)
-                view = find.show(settings, tuple(args), n_excerpts=10, n_neighbours=10, lake=lake, finder=state.finder,
+                view = find.show(settings, args, n_excerpts=10, n_neighbours=0, lake=lake, finder=state.finder,
                                  captures=True)
         except (find.NoSuchFeature, ValueError) as exc:
             return page("error.html.j2", status=404, message=str(exc), _t0=t0)
         top = max([e["max_value"] or 0 for e in view.excerpts] + [0]) or 1.0
         bins = _bins(view.extra.get("peaks") or [])
-        return page("feature.html.j2", view=view, key=key, model=p["model"], source=p["source"], index=p["index"],
-                    top=top, captures=view.extra["captures"], bins=bins, _t0=t0, _snapshot=view.extra["snapshot"])
+        body, headers = rendered("feature.html.j2", view=view, key=key, model=p["model"], source=p["source"],
+                                 index=p["index"], top=top, captures=view.extra["captures"], bins=bins,
+                                 neighbours_section=markupsafe.Markup(_NEIGHBOURS), _t0=t0, _snapshot=view.extra["snapshot"])
+        head, tail = body.split(_NEIGHBOURS, 1)
+
+        def parts():
+            # the card first (the browser lays it out meanwhile), then the nearest features: a
+            # product over every embedding (~45 ms at 262,144), the page's longest part
+            yield head
+            yield neighbours_section(view, args)
+            yield tail
+
+        return StreamingResponse(parts(), media_type="text/html; charset=utf-8", headers=headers)
+
+    def neighbours_section(view: find.FeatureView, args: tuple[str, str, int]) -> str:
+        """The feature page's nearest features, from the find index (a note where it cannot say)."""
+        def near(finder: find.Finder):
+            try:
+                return finder.similar(args, limit=10), finder.note
+            except find.NoSuchFeature as exc:
+                return None, str(exc)
+
+        try:
+            got = state.with_finder(near)
+            view.neighbours, note = got if got is not None else (None, state.finder_error)
+        except Exception as exc:  # the card is sent already: said in the page, never a traceback
+            log.exception("the nearest features of %s/%s/%s", *args)
+            view.neighbours, note = None, f"the nearest features could not be read: {str(exc).splitlines()[0]}"
+        view.note = catalog_down.redact(note) if note else view.note
+        return env.get_template("_neighbours.html.j2").render(view=view)
 
     def feature_history(p: dict[str, Any], t0: float):
         from ..lake.history import FeatureKey

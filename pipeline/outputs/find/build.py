@@ -49,7 +49,7 @@ CREATE TABLE features (fid INTEGER, model_id VARCHAR, source_id VARCHAR, feature
                        max_activation DOUBLE, pos_str VARCHAR[]);
 -- one row per explanation; fts_main_docs indexes description
 CREATE TABLE docs (doc_id INTEGER, fid INTEGER, explanation_id VARCHAR, description VARCHAR,
-                   explanation_model VARCHAR);
+                   explanation_model VARCHAR, type_name VARCHAR, has_embedding BOOLEAN);
 -- row of the embedding matrices → its explanation's feature; live = false once replaced
 CREATE TABLE emb_rows ("row" INTEGER, fid INTEGER, explanation_id VARCHAR, live BOOLEAN);
 -- feature_token_stats, the token folded for --ignore-case / --strip
@@ -63,7 +63,30 @@ CREATE TABLE basis_tokens (fid INTEGER, token VARCHAR);
 -- index finds 20 of 262,144 in ~1.5 ms (a scan decompressed every list of their row groups: ~35 ms)
 CREATE TABLE excerpts (fid INTEGER PRIMARY KEY, data_source VARCHAR, max_value DOUBLE, peak INTEGER, tokens VARCHAR[],
                        "values" DOUBLE[]);
+-- the feature card (`show`, the web app's feature page) as of the index's snapshot, so that a
+-- card reads a local file (~1 ms a part) where each of its five lake reads paid DuckLake's own
+-- ~25 ms: the lake's features row and every excerpt's peak (card_features), the statistics per
+-- data source, the CARD_EXCERPTS strongest excerpts (CARD_CONTEXT tokens each side of the peak;
+-- ``start``: the first one's place in the whole excerpt), the runs that loaded it
+CREATE TABLE card_features (fid INTEGER PRIMARY KEY, in_features BOOLEAN, max_act_approx DOUBLE, frac_nonzero DOUBLE,
+                            pos_str VARCHAR[], pos_values DOUBLE[], neg_str VARCHAR[], neg_values DOUBLE[],
+                            hook_name VARCHAR, captured_at TIMESTAMP, peaks DOUBLE[]);
+CREATE TABLE card_stats (fid INTEGER, data_source VARCHAR, n_examples BIGINT, n_active_tokens BIGINT,
+                         active_token_fraction DOUBLE, max_activation DOUBLE, mean_max_activation DOUBLE,
+                         top_tokens VARCHAR[]);
+CREATE TABLE card_excerpts (fid INTEGER, "rank" INTEGER, data_source VARCHAR, max_value DOUBLE,
+                            max_value_token_index INTEGER, start INTEGER, tokens VARCHAR[], "values" DOUBLE[]);
+CREATE TABLE card_captures (fid INTEGER, table_name VARCHAR, captured_at TIMESTAMP, run_id VARCHAR);
 """
+
+#: The excerpts and the tokens each side of their peak the index keeps for a feature's card
+#: (the web app's feature page shows 10 of 12; ``show`` 5 of 12 by default): a card asking for
+#: more reads the lake.
+CARD_EXCERPTS = 10
+CARD_CONTEXT = 12
+
+#: The card's tables, read from the lake as the ``card_*`` queries of :func:`_lake_rows_sql` give them.
+_CARD_TABLES = ("card_features", "card_stats", "card_excerpts", "card_captures")
 
 #: Tokens each side of the peak in the excerpt the index keeps for each feature.
 EXCERPT_CONTEXT = 6
@@ -89,7 +112,8 @@ def _lake_rows_sql(keys: str | None) -> dict[str, str]:
             FROM keys AS k
             LEFT JOIN f USING (model_id, source_id, feature_index)
             LEFT JOIN features AS ft USING (model_id, source_id, feature_index)""",
-        "docs": f"""SELECT model_id, source_id, feature_index, explanation_id, description, explanation_model
+        "docs": f"""SELECT model_id, source_id, feature_index, explanation_id, description, explanation_model,
+                           type_name, embedding IS NOT NULL AS has_embedding
                     FROM explanations {semi}""",
         "emb": f"""SELECT model_id, source_id, feature_index, explanation_id, embedding
                    FROM explanations {semi}
@@ -118,6 +142,41 @@ def _lake_rows_sql(keys: str | None) -> dict[str, str]:
             -- one a feature, whatever the ids (the index's key)
             QUALIFY row_number() OVER (PARTITION BY model_id, source_id, feature_index
                                        ORDER BY max_value DESC NULLS LAST, activation_id) = 1""",
+        # the card's parts, as card.show reads them from the lake (the same columns, order and rounding)
+        "card_features": f"""
+            WITH peaks AS (SELECT model_id, source_id, feature_index, list(max_value) AS peaks
+                           FROM activations {semi} GROUP BY ALL)
+            SELECT model_id, source_id, feature_index, f.model_id IS NOT NULL AS in_features,
+                   f.max_act_approx, f.frac_nonzero, f.pos_str, f.pos_values, f.neg_str, f.neg_values,
+                   f.hook_name, f.captured_at, p.peaks
+            FROM (SELECT model_id, source_id, feature_index, max_act_approx, frac_nonzero, pos_str, pos_values,
+                         neg_str, neg_values, hook_name, captured_at FROM features {semi}) AS f
+            FULL JOIN peaks AS p USING (model_id, source_id, feature_index)""",
+        "card_stats": f"""
+            SELECT model_id, source_id, feature_index, data_source, n_examples, n_active_tokens,
+                   round(active_token_fraction, 5) AS active_token_fraction, max_activation,
+                   round(mean_max_activation, 4) AS mean_max_activation,
+                   list_transform(top_tokens[1:5], t -> t.token) AS top_tokens
+            FROM feature_activation_stats {semi}""",
+        # the strongest CARD_EXCERPTS of each feature: their ids first (no token read), then the
+        # token lists of those rows only
+        "card_excerpts": f"""
+            WITH best AS (SELECT model_id, source_id, feature_index, activation_id FROM activations {semi}
+                          QUALIFY row_number() OVER (PARTITION BY model_id, source_id, feature_index
+                                                     ORDER BY max_value DESC NULLS LAST, activation_id) <= {CARD_EXCERPTS})
+            SELECT model_id, source_id, feature_index,
+                   row_number() OVER (PARTITION BY model_id, source_id, feature_index
+                                      ORDER BY max_value DESC NULLS LAST, activation_id)::INTEGER AS "rank",
+                   data_source, max_value, max_value_token_index,
+                   greatest(max_value_token_index - {CARD_CONTEXT}, 0) AS start,
+                   tokens[greatest(max_value_token_index - {CARD_CONTEXT}, 0) + 1 :
+                          max_value_token_index + {CARD_CONTEXT} + 1] AS tokens,
+                   "values"[greatest(max_value_token_index - {CARD_CONTEXT}, 0) + 1 :
+                            max_value_token_index + {CARD_CONTEXT} + 1] AS "values"
+            FROM activations SEMI JOIN best USING (model_id, source_id, feature_index, activation_id)
+            QUALIFY "rank" <= {CARD_EXCERPTS}""",
+        "card_captures": f"""SELECT model_id, source_id, feature_index, table_name, captured_at, run_id
+                             FROM feature_captures {semi}""",
     }
 
 
@@ -184,7 +243,7 @@ def _load_rows(idx: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection, 
     idx.execute("CREATE OR REPLACE TEMP TABLE lake_features AS SELECT * FROM (SELECT NULL::VARCHAR AS model_id, "
                 "NULL::VARCHAR AS source_id, NULL::BIGINT AS feature_index, NULL::DOUBLE AS max_activation, "
                 "NULL::VARCHAR[] AS pos_str) WHERE false")
-    for name in ("features", "docs", "tokens", "top", "excerpts"):
+    for name in ("features", "docs", "tokens", "top", "excerpts", *_CARD_TABLES):
         rel = lake.execute(queries[name]).fetch_arrow_table()
         idx.register("_rows", rel)
         idx.execute(f"CREATE OR REPLACE TEMP TABLE lake_{name} AS SELECT * FROM _rows")
@@ -198,7 +257,7 @@ def _load_rows(idx: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection, 
     idx.execute(f"""
         INSERT INTO docs
         SELECT coalesce((SELECT max(doc_id) FROM docs), -1) + row_number() OVER (ORDER BY d.model_id, d.source_id, d.feature_index, d.explanation_id),
-               f.fid, d.explanation_id, d.description, d.explanation_model
+               f.fid, d.explanation_id, d.description, d.explanation_model, d.type_name, d.has_embedding
         FROM lake_docs AS d {key}""")
     idx.execute(f"""
         INSERT INTO tokens
@@ -215,11 +274,14 @@ def _load_rows(idx: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection, 
         ) WHERE token <> ''""")
     idx.execute(f"""INSERT INTO excerpts SELECT f.fid, e.data_source, e.max_value, e.peak, e.tokens, e."values"
                     FROM lake_excerpts AS e {key} ORDER BY f.fid""")  # by fid: a lookup skips by zone maps
+    for name in _CARD_TABLES:  # a card's parts by fid (its features row: only for the features the index holds)
+        cols = ", ".join(f'c."{c}"' for (c,) in idx.execute(f"SELECT column_name FROM (DESCRIBE {name}) OFFSET 1").fetchall())
+        idx.execute(f"INSERT INTO {name} SELECT f.fid, {cols} FROM lake_{name} AS c {key} ORDER BY f.fid")
     if emb_rows.num_rows:
         idx.register("lake_emb", emb_rows)
         idx.execute(f"INSERT INTO emb_rows SELECT e.\"row\", f.fid, e.explanation_id, true FROM lake_emb AS e {key}")
         idx.unregister("lake_emb")
-    for name in ("features", "docs", "tokens", "top", "excerpts"):
+    for name in ("features", "docs", "tokens", "top", "excerpts", *_CARD_TABLES):
         idx.execute(f"DROP TABLE IF EXISTS temp.main.lake_{name}")
 
 
@@ -416,7 +478,7 @@ def _refresh(settings: Settings, directory: Path, path: Path, meta: dict[str, st
                     idx.unregister("_changed")
                     idx.execute("""CREATE TEMP TABLE changed_fids AS SELECT fid FROM features
                                    SEMI JOIN changed_keys USING (model_id, source_id, feature_index)""")
-                    for t in ("docs", "tokens", "basis_tokens", "excerpts"):
+                    for t in ("docs", "tokens", "basis_tokens", "excerpts", *_CARD_TABLES):
                         idx.execute(f"DELETE FROM {t} WHERE fid IN (SELECT fid FROM changed_fids)")
                     idx.execute("UPDATE emb_rows SET live = false WHERE fid IN (SELECT fid FROM changed_fids)")
                     idx.execute("DELETE FROM features WHERE fid IN (SELECT fid FROM changed_fids)")

@@ -70,10 +70,55 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
     Finder to use instead of opening them (a long-lived caller: the web app). ``captures``:
     also the runs that loaded its rows (``extra["captures"]``).
 
-    Every part is read from one snapshot of the lake (``extra["snapshot"]``: its id and time),
-    each on a cursor of its own, at once (``_READERS``)."""
+    Every part is read from one snapshot (``extra["snapshot"]``: its id and time; ``extra["from"]``:
+    "index" or "lake"): from the find index's card tables when the index is current (no commit
+    since its snapshot touched a table it reads) and holds the feature and as many excerpts and
+    as much context as asked; else from the lake, each part on a cursor of its own, at once
+    (``_READERS``)."""
     settings = warehouse_mod.settings_for(where)
     model, source, index = parse_key(key)
+    note: str | None = None
+    own_finder = finder is None
+    if own_finder:
+        try:
+            finder = Finder(settings)
+        except FindIndexMissing as exc:
+            note = str(exc)
+    try:
+        parts = finder.card((model, source, index), n_excerpts=n_excerpts, context=context,
+                            captures=captures) if finder is not None else None
+        if parts is None:
+            parts = _from_lake(settings, (model, source, index), n_excerpts=n_excerpts, context=context, lake=lake,
+                               captures=captures, finder=finder)
+        neighbours: Found | None = None
+        if finder is not None:
+            try:
+                neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else
+                              Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
+                                    [], finder.note))
+                note = finder.note
+            except (FindIndexMissing, NoSuchFeature) as exc:
+                note = str(exc)
+    finally:
+        if own_finder and finder is not None:
+            finder.close()
+    for e in parts["excerpts"]:
+        e["peak"] = (e["max_value_token_index"] - e["start"]) if e["max_value_token_index"] is not None else None
+    view = FeatureView(f"{model}/{source}/{index}", parts["feature"], parts["stats"], parts["explanations"],
+                       parts["excerpts"], extra={"peaks": parts["peaks"], "snapshot": parts["snapshot"],
+                                                 "from": parts["from"]})
+    if captures:
+        view.extra["captures"] = parts["captures"]
+    view.neighbours = neighbours
+    view.note = note
+    return view
+
+
+def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int, context: int,
+               lake: duckdb.DuckDBPyConnection | None, captures: bool, finder: Finder | None) -> dict[str, Any]:
+    """The card's parts read from the lake at its current snapshot, at once (NoSuchFeature when
+    it holds nothing of the feature)."""
+    model, source, index = key
     k = [model, source, index]
     cond = "model_id = ? AND source_id = ? AND feature_index = ?"
     own = lake is None
@@ -108,16 +153,10 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
             queries["captures"] = (f"SELECT table_name, captured_at, run_id FROM {at('feature_captures')} "
                                    f"WHERE {cond} ORDER BY table_name", k)
         pending = {name: _readers().submit(_read, lake, sql, params) for name, (sql, params) in queries.items()}
-        neighbours: Found | None = None
-        note: str | None = None
         try:
-            with (Finder(settings) if finder is None else contextlib.nullcontext(finder)) as finder:
-                neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else
-                              Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
-                                    [], finder.note))
-                note = finder.note
-        except (FindIndexMissing, NoSuchFeature) as exc:
-            note = str(exc)
+            if finder is not None:  # the nearest-neighbour search's matrices mapped meanwhile
+                with contextlib.suppress(Exception):
+                    finder._matrices()
         finally:
             concurrent.futures.wait(pending.values())  # every cursor done before the lake may close
         got = {name: f.result() for name, f in pending.items()}
@@ -126,16 +165,10 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
         raise NoSuchFeature(f"{model}/{source}/{index} is not in the warehouse at {settings.warehouse}")
     peaks = excerpts[0]["every_peak"] if excerpts else []  # every excerpt's, for a histogram (one scan)
     for e in excerpts:
-        e["peak"] = (e["max_value_token_index"] - e["start"]) if e["max_value_token_index"] is not None else None
         del e["every_peak"]
-    extra: dict[str, Any] = {"peaks": peaks, "snapshot": got["snapshot"][0] if got["snapshot"] else {"id": snap, "time": None}}
-    if captures:
-        extra["captures"] = got["captures"]
-    view = FeatureView(f"{model}/{source}/{index}", feature[0] if feature else None, stats, explanations, excerpts,
-                       extra=extra)
-    view.neighbours = neighbours
-    view.note = note
-    return view
+    return {"feature": feature[0] if feature else None, "stats": stats, "explanations": explanations,
+            "excerpts": excerpts, "peaks": peaks, "captures": got.get("captures"), "from": "lake",
+            "snapshot": got["snapshot"][0] if got["snapshot"] else {"id": snap, "time": None}}
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")

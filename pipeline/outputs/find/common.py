@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 EMBEDDING_DIM = 256  # records.EMBEDDING_DIM; not imported: the stages pull in the whole ingest
-INDEX_VERSION = 5  # 2: the warehouse's identity and its find tables' fingerprint in meta; 3: its snapshot's time;
-# 4: every word of a description indexed (no stop words); 5: each feature's strongest excerpt
+INDEX_VERSION = 6  # 2: the warehouse's identity and its find tables' fingerprint in meta; 3: its snapshot's time;
+# 4: every word of a description indexed (no stop words); 5: each feature's strongest excerpt; 6: the feature card
 _F32_MARGIN = 1e-4  # far above float32's error on a cosine of 256 values (~1e-6)
-_FIND_TABLES = ("explanations", "features", "feature_activation_stats", "feature_token_stats", "activations")
+_FIND_TABLES = ("explanations", "features", "feature_activation_stats", "feature_token_stats", "activations",
+                "feature_captures")  # (the card's runs)
 _REFRESH_WHOLE_SHARE = 0.25  # past this share of changed features, a refresh builds anew
 #: Leading marks of a word-initial token: a space, SentencePiece's ▁, GPT-2's Ġ.
 _LEADING = " \u2581\u0120"

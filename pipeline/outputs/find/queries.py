@@ -31,6 +31,16 @@ from .common import (
 from .store import _open_index, _paths, lake_state
 
 
+def _snapshot_time(text: str | None):
+    """The index's snapshot time (UTC, ISO, as its meta holds it) as a time in UTC."""
+    from datetime import datetime, timezone
+
+    if not text:
+        return None
+    t = datetime.fromisoformat(text)
+    return t.astimezone(timezone.utc) if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
 class Finder:
     """The find index opened for queries. Keep one for many queries (a notebook, a service):
     the embedding matrices stay mapped and the feature keys loaded.
@@ -242,6 +252,59 @@ class Finder:
             WHERE e.fid IN ({", ".join(map(str, fids))}) AND f.fid IN ({", ".join(map(str, fids))})""").fetchall()
         return {(m, s, int(i)): {"data_source": ds, "max_value": mx, "peak": pk, "tokens": t, "values": v}
                 for m, s, i, ds, mx, pk, t, v in rows}
+
+    def card(self, key: str | tuple[str, str, int], *, n_excerpts: int, context: int,
+             captures: bool = False) -> dict[str, Any] | None:
+        """A feature card's parts (``feature``, ``stats``, ``explanations``, ``excerpts``,
+        ``peaks``, ``captures``, ``snapshot``) as the lake held them at the index's snapshot,
+        read from the index alone; None when the index cannot answer for the lake as it is now
+        (a commit since touched a table the index reads; the feature is not in it; more
+        excerpts or context than it keeps): the caller reads the lake."""
+        from .build import CARD_CONTEXT, CARD_EXCERPTS
+
+        if n_excerpts > CARD_EXCERPTS or context > CARD_CONTEXT or context < 0 or n_excerpts < 0:
+            return None
+        self._follow()
+        if self.note is not None:
+            return None
+        model, source, index = parse_key(key)
+        found = self.conn.execute(warehouse_mod.bind("SELECT fid FROM features WHERE model_id = $m AND source_id = $s "
+                                                     "AND feature_index = $i", {"m": model, "s": source, "i": index})).fetchone()
+        if not found:
+            return None
+        fid = int(found[0])
+
+        def rows(sql: str) -> list[dict[str, Any]]:
+            cur = self.conn.execute(sql.replace("$fid", str(fid)))
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+        head = rows("SELECT * EXCLUDE (fid) FROM card_features WHERE fid = $fid")
+        feature = None
+        if head and head[0]["in_features"]:
+            feature = {k: v for k, v in head[0].items() if k not in ("in_features", "peaks")}
+        excerpts = []
+        for e in rows(f"""SELECT data_source, max_value, max_value_token_index, start, tokens, "values"
+                          FROM card_excerpts WHERE fid = $fid ORDER BY "rank" LIMIT {int(n_excerpts)}"""):
+            peak = e["max_value_token_index"]
+            if peak is not None and e["tokens"] is not None:  # CARD_CONTEXT each side kept: ``context`` of them
+                start = max(peak - context, 0)
+                cut = slice(start - e["start"], peak + context + 1 - e["start"])
+                e["start"], e["tokens"] = start, e["tokens"][cut]
+                e["values"] = e["values"][cut] if e["values"] is not None else None
+            excerpts.append(e)
+        return {
+            "feature": feature,
+            "stats": rows("SELECT * EXCLUDE (fid) FROM card_stats WHERE fid = $fid ORDER BY data_source NULLS LAST"),
+            "explanations": rows("SELECT description, explanation_model, type_name, has_embedding FROM docs "
+                                 "WHERE fid = $fid ORDER BY explanation_id"),
+            "excerpts": excerpts,
+            "peaks": (head[0]["peaks"] if head else None) or [],
+            "captures": rows("SELECT table_name, captured_at, run_id FROM card_captures WHERE fid = $fid "
+                             "ORDER BY table_name") if captures else None,
+            "snapshot": {"id": self.snapshot_id, "time": _snapshot_time(self.meta.get("snapshot_time"))},
+            "from": "index",
+        }
 
     def _found(self, cur: duckdb.DuckDBPyConnection) -> Found:
         return Found([d[0] for d in cur.description], cur.fetchall(), self.note)
