@@ -7,7 +7,17 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
-SCHEMAS_DIR = Path(os.environ.get("FEATUREHOUSE_SCHEMAS", Path(__file__).resolve().parent.parent / "schemas"))
+def _schemas_dir() -> Path:
+    """The JSON Schemas, DDL, aggregate SQL and expectation suites: ``$FEATUREHOUSE_SCHEMAS``, else
+    ``schemas/`` of the checkout this package is in, else the copy a wheel installs inside it."""
+    if os.environ.get("FEATUREHOUSE_SCHEMAS"):
+        return Path(os.environ["FEATUREHOUSE_SCHEMAS"])
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "schemas"
+    return checkout if (checkout / "migrations").is_dir() else here / "schemas"
+
+
+SCHEMAS_DIR = _schemas_dir()
 DEFAULT_WAREHOUSE = Path("warehouse")
 
 

@@ -4,6 +4,7 @@ cli, warm → sources → ingest → outputs → stages → lake → config (no 
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -145,14 +146,13 @@ def test_the_package_lists_every_folder_and_file_it_needs():
     """A wheel of pipeline/ (`pip wheel .`, not the editable install of a checkout) holds every
     package and every file under pipeline/ the code reads. Found by splitting find.py into a
     package: the packages are listed by hand in pyproject.toml, and the web app's templates
-    were not in it. (The checkout's schemas/ stays outside the wheel: featurehouse runs from a
-    checkout or the image, both of which hold it.)"""
+    were not in it. (schemas/, outside pipeline/, is the package pipeline.schemas: the test below.)"""
     import tomllib
 
     setup = tomllib.loads((PIPELINE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
     packages = {".".join(p.relative_to(PIPELINE.parent).parts) for p in [PIPELINE, *PIPELINE.rglob("*")]
                 if p.is_dir() and (p / "__init__.py").exists()}
-    assert set(setup["packages"]) == packages
+    assert set(setup["packages"]) == packages | set(setup.get("package-dir", {}))
     data = setup.get("package-data", {})
     missing = []
     for f in PIPELINE.rglob("*"):
@@ -164,3 +164,36 @@ def test_the_package_lists_every_folder_and_file_it_needs():
         if not any(inside.match(g) and len(inside.parts) == len(Path(g).parts) for g in data.get(owner, [])):
             missing.append(f.relative_to(PIPELINE.parent).as_posix())
     assert not missing, f"not in pyproject.toml's package-data (a wheel leaves them out): {missing}"
+
+
+def test_an_installed_wheel_holds_every_schema_file_and_finds_it():
+    """A wheel installs schemas/ as ``pipeline/schemas`` (pyproject's package-dir): every file
+    there matches the package data it ships, and config looks there when no checkout is around
+    the package (an ingest from a wheel found no migrations before)."""
+    import fnmatch
+    import shutil
+    import subprocess
+    import sys
+    import tomllib
+
+    root = PIPELINE.parent
+    conf = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert conf["package-dir"]["pipeline.schemas"] == "schemas" and "pipeline.schemas" in conf["packages"]
+    patterns = conf["package-data"]["pipeline.schemas"]
+    files = [p.relative_to(root / "schemas").as_posix() for p in (root / "schemas").rglob("*") if p.is_file()]
+    assert files and not [f for f in files if not any(fnmatch.fnmatch(f, pat) and f.count("/") == pat.count("/")
+                                                       for pat in patterns)]
+    # laid out as a wheel installs it: the package, with schemas/ inside it and no checkout around
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        site = Path(tmp) / "site"
+        shutil.copytree(PIPELINE, site / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(root / "schemas", site / "pipeline" / "schemas")
+        code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in str(f).lower()]; "
+                f"sys.path.insert(0, {str(site)!r}); import pipeline.config as c; "
+                "print(c.SCHEMAS_DIR, (c.SCHEMAS_DIR / 'migrations' / '0001_lakehouse.sql').is_file())")
+        env = {k: v for k, v in os.environ.items() if k != "FEATUREHOUSE_SCHEMAS"}
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout.split() == [str(site / "pipeline" / "schemas"), "True"], got.stdout

@@ -244,7 +244,9 @@ def _load_rows(idx: duckdb.DuckDBPyConnection, lake: duckdb.DuckDBPyConnection, 
                 "NULL::VARCHAR AS source_id, NULL::BIGINT AS feature_index, NULL::DOUBLE AS max_activation, "
                 "NULL::VARCHAR[] AS pos_str) WHERE false")
     for name in ("features", "docs", "tokens", "top", "excerpts", *_CARD_TABLES):
-        rel = lake.execute(queries[name]).fetch_arrow_table()
+        # streamed a batch at a time (a whole Arrow table beside the temp table held the card's
+        # excerpts twice: +300 MB at 262,144 features)
+        rel = lake.execute(queries[name]).to_arrow_reader(_EMB_CHUNK)
         idx.register("_rows", rel)
         idx.execute(f"CREATE OR REPLACE TEMP TABLE lake_{name} AS SELECT * FROM _rows")
         idx.unregister("_rows")
