@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+
 def _schemas_dir() -> Path:
     """The JSON Schemas, DDL, aggregate SQL and expectation suites: ``$FEATUREHOUSE_SCHEMAS``, else
     ``schemas/`` of the checkout this package is in, else the copy a wheel installs inside it."""

@@ -804,7 +804,6 @@ def test_a_card_from_the_index_is_the_lakes_card(lake, tmp_path, monkeypatch):
     warehouse, at the sizes the web app and the CLI ask for; one the index cannot answer (more
     excerpts or context than it keeps, a commit since) is read from the lake."""
     from pipeline.lake import warehouse
-    from pipeline.outputs.find import card
 
     settings = _copy(lake, tmp_path)
     run_ingest([write(tmp_path / "in" / "many.json", to_api_json(_many_excerpts_page(11)))], settings)

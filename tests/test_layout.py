@@ -174,6 +174,7 @@ def test_an_installed_wheel_holds_every_schema_file_and_finds_it():
     import shutil
     import subprocess
     import sys
+
     import tomllib
 
     root = PIPELINE.parent
