@@ -388,3 +388,83 @@ def test_the_footer_gives_the_snapshots_time_in_utc_whatever_the_servers_zone(se
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_a_feature_page_answers_from_the_lake_when_the_find_index_goes_away(tmp_path, caplog):
+    """The card comes from the find index while it is current; moved away or replaced by a file
+    that is no index under a running server, a feature page still answers (the card from the
+    lake, a note where the nearest features were), never a 500; built again, the index answers
+    again. A failure of the nearest features is logged without the catalog's password."""
+    import logging
+    import shutil
+
+    from starlette.testclient import TestClient
+
+    from pipeline.outputs import find, web
+
+    settings = Settings(warehouse=tmp_path / "wh")
+    run_ingest([write(tmp_path / "in" / f"{i}.json", orjson.dumps(good_page(i))) for i in (1, 2, 3)], settings)
+    find.build_index(settings)
+    index = settings.find_index_dir / "index.duckdb"
+    path = "/f/gpt-oss-20b/11-resid-post-aa/2"
+    with TestClient(web.make_app(settings), base_url="http://127.0.0.1") as client:
+        first = client.get(path)
+        assert first.status_code == 200 and "cpu things" in first.text and "Nearest features" in first.text
+        shutil.move(index, tmp_path / "away.duckdb")
+        gone = client.get(path)
+        index.write_bytes(b"no index at all" * 100)
+        garbage = client.get(path)
+        index.unlink()
+        find.build_index(settings)
+        again = client.get(path)
+    for r in (gone, garbage):
+        assert r.status_code == 200, r.text[-2000:]
+        assert "cpu things" in r.text and 'class="note"' in r.text, r.text[-2000:]
+    assert again.status_code == 200 and "cpu things" in again.text
+
+    # the nearest features failing after the card was sent: a note, a log line, no password
+    def broken(*args, **kwargs):
+        raise RuntimeError("the index went: postgresql://fh:Sekr3t@db:5432/x\nsecond line")
+
+    app = web.make_app(settings)
+    with caplog.at_level(logging.WARNING, logger="pipeline.outputs.web"), TestClient(app, base_url="http://127.0.0.1") as client:
+        real = find.Finder.similar
+        find.Finder.similar = broken
+        try:
+            r = client.get(path)
+        finally:
+            find.Finder.similar = real
+    assert r.status_code == 200 and "cpu things" in r.text and "the nearest features could not be read" in r.text
+    assert "Sekr3t" not in r.text
+    logged = "\n".join(rec.getMessage() + (str(rec.exc_info) if rec.exc_info else "") for rec in caplog.records)
+    assert "fh:***@db:5432" in logged and "Sekr3t" not in logged, logged
+
+
+@pytest.mark.postgres
+def test_a_long_lived_finder_on_a_postgresql_catalog_never_shows_a_card_older_than_the_lake(tmp_path, monkeypatch):
+    """A PostgreSQL catalog has no file to watch: a kept Finder (serve's) cannot tell a commit
+    happened by a stamp. The card comes from the index only when the index was built at the
+    lake's latest snapshot; after a load that did not refresh it, from the lake."""
+    from pipeline.lake import warehouse as wh
+    from pipeline.outputs import find
+    from tests.airflow_helpers import pg_bin, postgres_cluster
+
+    if pg_bin() is None:
+        pytest.fail("PostgreSQL is not installed: .ci/run installs it (apt-get install postgresql)")
+    with postgres_cluster() as pg:
+        settings = Settings(warehouse=tmp_path / "wh", catalog=pg.catalog)
+        run_ingest([write(tmp_path / "in" / f"{i}.json", orjson.dumps(good_page(i))) for i in (1, 2)], settings)
+        find.build_index(settings)
+        key = ("gpt-oss-20b", "11-resid-post-aa", 2)
+        with find.Finder(settings) as kept, wh.connect(settings, read_only=True) as lake:
+            before = find.show(settings, key, n_neighbours=0, lake=lake, finder=kept)
+            assert before.extra["from"] == "index"
+            changed = good_page(2)
+            changed["explanations"][0]["description"] = "rewritten while the index slept"
+            monkeypatch.setenv("FEATUREHOUSE_FIND_DIR", str(tmp_path / "elsewhere"))  # no refresh of this index
+            run_ingest([write(tmp_path / "in2" / "2.json", orjson.dumps(changed))],
+                       Settings(warehouse=tmp_path / "wh", catalog=pg.catalog, find_dir=tmp_path / "elsewhere"))
+            after = find.show(settings, key, n_neighbours=0, lake=lake, finder=kept)
+    assert after.extra["from"] == "lake", after.extra
+    assert [e["description"] for e in after.explanations] == ["rewritten while the index slept"]
+    assert after.extra["snapshot"]["id"] > before.extra["snapshot"]["id"]

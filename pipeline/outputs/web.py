@@ -322,8 +322,11 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
             got = state.with_finder(near)
             view.neighbours, note = got if got is not None else (None, state.finder_error)
         except Exception as exc:  # the card is sent already: said in the page, never a traceback
-            log.exception("the nearest features of %s/%s/%s", *args)
-            view.neighbours, note = None, f"the nearest features could not be read: {str(exc).splitlines()[0]}"
+            # the traceback as text, the password out (a logging handler formats exc_info itself)
+            log.warning("the nearest features of %s/%s/%s failed: %s", *args,
+                        catalog_down.redact("".join(traceback.format_exception(exc)).rstrip()))
+            text = str(exc).strip()
+            view.neighbours, note = None, f"the nearest features could not be read: {text.splitlines()[0] if text else type(exc).__name__}"
         view.note = catalog_down.redact(note) if note else view.note
         return env.get_template("_neighbours.html.j2").render(view=view)
 

@@ -85,8 +85,15 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
         except FindIndexMissing as exc:
             note = str(exc)
     try:
-        parts = finder.card((model, source, index), n_excerpts=n_excerpts, context=context,
-                            captures=captures) if finder is not None else None
+        parts = None
+        if finder is not None:
+            # the lake's latest snapshot first, then whether the index is current up to it
+            latest = _latest(lake) if lake is not None else None
+            try:
+                parts = finder.card((model, source, index), n_excerpts=n_excerpts, context=context,
+                                    captures=captures, lake_snapshot=latest)
+            except (FindIndexMissing, OSError, duckdb.Error) as exc:  # moved, damaged, rebuilt under it
+                note = str(exc)
         if parts is None:
             parts = _from_lake(settings, (model, source, index), n_excerpts=n_excerpts, context=context, lake=lake,
                                captures=captures, finder=finder)
@@ -96,8 +103,8 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
                 neighbours = (finder.similar((model, source, index), limit=n_neighbours) if n_neighbours else
                               Found(["model_id", "source_id", "feature_index", "similarity", "basis", "description"],
                                     [], finder.note))
-                note = finder.note
-            except (FindIndexMissing, NoSuchFeature) as exc:
+                note = note or finder.note  # (the card's own failure first)
+            except (FindIndexMissing, NoSuchFeature, OSError, duckdb.Error) as exc:
                 note = str(exc)
     finally:
         if own_finder and finder is not None:
@@ -112,6 +119,12 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
     view.neighbours = neighbours
     view.note = note
     return view
+
+
+def _latest(lake: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    sid, t = lake.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
+                          "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
+    return {"id": sid, "time": t}
 
 
 def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int, context: int,
@@ -145,7 +158,7 @@ def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int
                                              max_value_token_index + {int(context)} + 1] AS "values",
                                     list(max_value) OVER () AS every_peak
                              FROM {at('activations')} WHERE {cond}
-                             ORDER BY max_value DESC NULLS LAST, activation_id LIMIT {int(n_excerpts)}""", k),
+                             ORDER BY max_value DESC NULLS LAST, activation_id LIMIT {max(int(n_excerpts), 1)}""", k),
             "snapshot": (f"SELECT snapshot_id AS id, snapshot_time AS time FROM {warehouse_mod.CATALOG}.snapshots() "
                          "WHERE snapshot_id = ?", [snap]),
         }
@@ -164,6 +177,7 @@ def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int
     if not (feature or stats or explanations or excerpts):
         raise NoSuchFeature(f"{model}/{source}/{index} is not in the warehouse at {settings.warehouse}")
     peaks = excerpts[0]["every_peak"] if excerpts else []  # every excerpt's, for a histogram (one scan)
+    excerpts = excerpts[:n_excerpts]  # (one row read at least: the peaks come with it)
     for e in excerpts:
         del e["every_peak"]
     return {"feature": feature[0] if feature else None, "stats": stats, "explanations": explanations,

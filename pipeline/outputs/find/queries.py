@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,7 @@ class Finder:
                 f"no find index for the warehouse at {self.settings.warehouse}: build it with "
                 "`featurehouse index` (ingest refreshes it from then on)")
         self.conn, self.meta, self.snapshot_id, self.note, self._stamp = self._open(unwritable)
+        self._opened_at = time.monotonic()
         self._matrix: tuple | None = None
 
     def _stamp_now(self) -> tuple:
@@ -128,6 +130,10 @@ class Finder:
             if self.fresh == "error":
                 raise FindIndexStale(note)
         return note, check
+
+    def _opened_long_ago(self, seconds: float = 1.0) -> bool:
+        """Whether this Finder checked the catalog more than ``seconds`` ago (see ``card``)."""
+        return time.monotonic() - self._opened_at > seconds
 
     def _follow(self) -> None:
         """Before each query: when another process replaced the index file (a refresh after its
@@ -254,18 +260,28 @@ class Finder:
                 for m, s, i, ds, mx, pk, t, v in rows}
 
     def card(self, key: str | tuple[str, str, int], *, n_excerpts: int, context: int,
-             captures: bool = False) -> dict[str, Any] | None:
+             captures: bool = False, lake_snapshot: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """A feature card's parts (``feature``, ``stats``, ``explanations``, ``excerpts``,
-        ``peaks``, ``captures``, ``snapshot``) as the lake held them at the index's snapshot,
-        read from the index alone; None when the index cannot answer for the lake as it is now
-        (a commit since touched a table the index reads; the feature is not in it; more
-        excerpts or context than it keeps): the caller reads the lake."""
+        ``peaks``, ``captures``, ``snapshot``) as the lake holds them, read from the index alone;
+        None when the index cannot answer for the lake as it is now (a commit since touched a
+        table the index reads; the feature is not in it; more excerpts or context than it
+        keeps): the caller reads the lake.
+
+        ``lake_snapshot``: the lake's latest snapshot (id and time), read just before: the card
+        is said to be read at it (the index's tables are the lake's there: no change since the
+        index's own touched them). Without it, the card says the index's snapshot. A catalog
+        that is no SQLite file (PostgreSQL) cannot be watched by a file's stamp: there the index
+        answers only when it was built at that very snapshot (or, without it, for a Finder just
+        opened, which checked the catalog then)."""
         from .build import CARD_CONTEXT, CARD_EXCERPTS
 
         if n_excerpts > CARD_EXCERPTS or context > CARD_CONTEXT or context < 0 or n_excerpts < 0:
             return None
         self._follow()
         if self.note is not None:
+            return None
+        if self.settings.catalog_kind != "sqlite" and (
+                int(lake_snapshot["id"]) != self.snapshot_id if lake_snapshot is not None else self._opened_long_ago()):
             return None
         model, source, index = parse_key(key)
         found = self.conn.execute(warehouse_mod.bind("SELECT fid FROM features WHERE model_id = $m AND source_id = $s "
@@ -302,7 +318,7 @@ class Finder:
             "peaks": (head[0]["peaks"] if head else None) or [],
             "captures": rows("SELECT table_name, captured_at, run_id FROM card_captures WHERE fid = $fid "
                              "ORDER BY table_name") if captures else None,
-            "snapshot": {"id": self.snapshot_id, "time": _snapshot_time(self.meta.get("snapshot_time"))},
+            "snapshot": lake_snapshot or {"id": self.snapshot_id, "time": _snapshot_time(self.meta.get("snapshot_time"))},
             "from": "index",
         }
 
