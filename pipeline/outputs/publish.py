@@ -51,6 +51,8 @@ is what makes a nightly publication send ~a page's worth of bytes.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -490,7 +492,10 @@ def _apply_changes(conn: duckdb.DuckDBPyConnection, table: str, cols: list[str],
 
 
 def _write_whole(conn: duckdb.DuckDBPyConnection, table: str, cols: list[tuple[str, str]], snap: int,
-                 why: str, dry_run: bool) -> TableDone:
+                 why: str, dry_run: bool, hf_ahead: Path | None = None) -> TableDone:
+    """Write ``table`` whole into the published lake, sorted by key. ``hf_ahead``: a folder where
+    its ``hf`` files are written too, from the same sorted rows (a sort of the rows costs more
+    than reading and writing them: one sort for both layouts)."""
     names = [c for c, _ in cols]
     sel = ", ".join(_ident(c) for c in names)
     src = f"{CATALOG}.main.{table} AT (VERSION => {snap})"
@@ -504,7 +509,23 @@ def _write_whole(conn: duckdb.DuckDBPyConnection, table: str, cols: list[tuple[s
     else:
         conn.execute(f"DROP TABLE IF EXISTS {t}")
         conn.execute(f"CREATE TABLE {t} AS SELECT {sel} FROM {src} LIMIT 0")
-    conn.execute(f"INSERT INTO {t} SELECT {sel} FROM {src} ORDER BY {_order(names)}")
+    if hf_ahead is not None and _chunked(table, names):
+        # sorted once, into the hf files; the lake's rows read back from them, in their order
+        # (DuckDB keeps the files' order and theirs): for one source, key order; for several,
+        # each source's rows together in key order
+        files = _stream_chunks(conn, sel, src, names, hf_ahead)
+        if files:
+            listed = ", ".join(f"'{_q(str(f))}'" for f in files)
+            (threads,) = conn.execute("SELECT current_setting('threads')").fetchone()
+            try:
+                # one thread: DuckDB's workers would each take some of the files, and the lake's
+                # files would hold the rows in no order (a lookup by feature would read them all)
+                conn.execute("SET threads = 1")
+                conn.execute(f"INSERT INTO {t} SELECT {sel} FROM read_parquet([{listed}])")
+            finally:
+                conn.execute(f"SET threads = {int(threads)}")
+    else:
+        conn.execute(f"INSERT INTO {t} SELECT {sel} FROM {src} ORDER BY {_order(names)}")
     return TableDone(table, want, "whole" if existed else "new", want, 0, why)
 
 
@@ -515,8 +536,11 @@ def _files(folder: Path) -> dict[str, int]:
 
 
 def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
-                      include_private: bool, url: str | None, dry_run: bool, out: Published) -> dict[str, str]:
-    """Write ``DEST/featurehouse.ducklake`` and ``DEST/data/``; the tables' how-written, by name."""
+                      include_private: bool, url: str | None, dry_run: bool, out: Published,
+                      hf_ahead: _HfAhead | None = None) -> dict[str, str]:
+    """Write ``DEST/featurehouse.ducklake`` and ``DEST/data/``; the tables' how-written, by name.
+    ``hf_ahead``: the ``hf`` layout comes next; a table both write whole has its ``hf`` files
+    written here, from the one sort (see :class:`_HfAhead`)."""
     final = dest / CATALOG_FILE
     first = not final.exists()
     # a dry run writes nothing into DEST (it holds no lock there): its copy of the catalog goes elsewhere
@@ -562,7 +586,10 @@ def _publish_ducklake(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[
             else:
                 why = why_not or "its columns changed"
             if done is None:
-                done = _write_whole(conn, table, cols, snap, why, dry_run)
+                ahead = hf_ahead.folder(conn, table, cols) if hf_ahead is not None and not dry_run else None
+                done = _write_whole(conn, table, cols, snap, why, dry_run, ahead)
+                if ahead is not None:
+                    hf_ahead.written[table] = ahead
             out.tables.append(done)
             hows[table] = done.how
         if work is not None and not dry_run:
@@ -888,26 +915,149 @@ def _write_hf_table(conn: duckdb.DuckDBPyConnection, table: str, names: list[str
         conn.execute("CREATE OR REPLACE TEMP TABLE _hf_changed (chunk VARCHAR)")
         conn.executemany("INSERT INTO _hf_changed VALUES (?)", [[c] for c in sorted(changed)])
         where = "WHERE _chunk IN (SELECT chunk FROM _hf_changed)"
-    # sorted once into a temp table, then one file a chunk, each a range of it read in its order
-    # (DuckDB's PARTITION_BY does not keep the rows' order inside a file, which a lookup by
-    # feature needs: one row group, not all)
-    conn.execute(f"CREATE OR REPLACE TEMP TABLE _hf_rows AS SELECT * FROM (SELECT {sel}, {_chunk_sql()} AS _chunk "
-                 f"FROM {src}) {where} ORDER BY _chunk, {_order(names)}")
-    (threads,) = conn.execute("SELECT current_setting('threads')").fetchone()
-    try:
-        # one thread: a file's few row groups are no work to share, and DuckDB's workers cost
-        # twice the CPU for them (0.11 against 0.054 CPU-s a file of 2,048 activations, 2026-12-07)
-        conn.execute("SET threads = 1")
-        for (chunk,) in conn.execute("SELECT DISTINCT _chunk FROM _hf_rows ORDER BY 1").fetchall():
-            conn.execute(f"COPY (SELECT {sel} FROM _hf_rows WHERE _chunk = $c) "
-                         f"TO '{_q(str(target / (chunk + '.parquet')))}' ({opts})", {"c": chunk})
-    finally:
-        conn.execute(f"SET threads = {int(threads)}")
-        conn.execute("DROP TABLE IF EXISTS _hf_rows")
+    _stream_chunks(conn, sel, src, names, target, where)
+
+
+def _stream_chunks(conn: duckdb.DuckDBPyConnection, sel: str, src: str, names: list[str], target: Path,
+                   where: str = "") -> list[Path]:
+    """``src``'s rows (those ``where`` keeps) sorted by file (``_chunk``) and key, one Parquet file
+    a chunk into ``target``, each in that order (a lookup by feature reads one row group, not
+    all); the files written, in order. One sorted read, streamed to pyarrow's Parquet writer a
+    batch at a time: a temp table of the sorted rows, then a COPY a file, each scanning it for its
+    rows, cost twice the CPU (activations of 65,536 features: 6.4 against 3.2 CPU-s, 2026-12-07);
+    DuckDB's PARTITION_BY does not keep the rows' order inside a file."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    target.mkdir(parents=True, exist_ok=True)
+    sql = (f"SELECT * FROM (SELECT {sel}, {_chunk_sql()} AS _chunk FROM {src}) {where} "
+           f"ORDER BY _chunk, {_order(names)}")
+    # a JSON column as DuckDB's own writer keeps it (Parquet's JSON type): DuckDB hands it over as text
+    json_cols = {n for n, t in zip(names, conn.sql(f"SELECT {sel} FROM {src} LIMIT 0").types) if str(t) == "JSON"}
+    schema: pa.Schema | None = None
+    out = _ChunkFiles(target)
+    # the files written on a thread of their own (pyarrow lets the GIL go as it encodes), while
+    # DuckDB hands over the next batches: a few batches ahead at most
+    pending: collections.deque[concurrent.futures.Future] = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-write") as pool:
+        try:
+            for batch in conn.execute(sql).to_arrow_reader(ROW_GROUP_ROWS):
+                if batch.num_rows == 0:
+                    continue
+                chunk = batch.column(batch.num_columns - 1)
+                if schema is None:
+                    schema = pa.schema([pa.field(f.name, pa.json_()) if f.name in json_cols else f
+                                        for f in list(batch.schema)[:-1]])
+                rows = pa.RecordBatch.from_arrays([c.cast(f.type) if f.name in json_cols else c
+                                                   for c, f in zip(batch.columns[:-1], schema)], schema=schema)
+                # the rows are in file order: cut the batch where the file changes
+                cuts = [0]
+                if batch.num_rows > 1:
+                    changed = pc.not_equal(chunk.slice(1), chunk.slice(0, batch.num_rows - 1))
+                    cuts += [int(i) + 1 for i in pc.indices_nonzero(changed).to_pylist()]
+                cuts.append(batch.num_rows)
+                for a, b in zip(cuts, cuts[1:]):
+                    pending.append(pool.submit(out.add, f"{chunk[a].as_py()}.parquet", rows.slice(a, b - a)))
+                while len(pending) > 8:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        finally:
+            for f in pending:
+                f.cancel()
+            concurrent.futures.wait(pending)
+            pool.submit(out.close).result()
+    return out.files
+
+
+class _ChunkFiles:
+    """The files ``_stream_chunks`` writes, one a chunk, in the order their rows come: whole row
+    groups of ROW_GROUP_ROWS, the last of a file shorter."""
+
+    def __init__(self, target: Path):
+        self.target = target
+        self.files: list[Path] = []
+        self.writer = None
+        self.held: list = []
+
+    def add(self, name: str, rows) -> None:
+        import pyarrow.parquet as pq
+
+        if not self.files or self.files[-1].name != name:
+            self.close()
+            self.files.append(self.target / name)
+            self.writer = pq.ParquetWriter(self.files[-1], rows.schema, compression="zstd", use_dictionary=True,
+                                           dictionary_pagesize_limit=_DICTIONARY_PAGE)
+        self.held.append(rows)
+        self._flush()
+
+    def _flush(self, final: bool = False) -> None:
+        import pyarrow as pa
+
+        n = sum(b.num_rows for b in self.held)
+        if self.writer is None or not n or (n < ROW_GROUP_ROWS and not final):
+            return
+        t = pa.Table.from_batches(self.held)
+        cut = n if final else n - n % ROW_GROUP_ROWS
+        self.writer.write_table(t.slice(0, cut), row_group_size=ROW_GROUP_ROWS)
+        self.held = t.slice(cut).to_batches() if cut < n else []
+
+    def close(self) -> None:
+        if self.writer is not None:
+            try:
+                self._flush(final=True)
+            finally:
+                self.writer.close()
+                self.writer = None
+                self.held = []
+
+
+#: A column's dictionary page at most this large, then plain: an activation's values (few distinct
+#: short decimals) take a dictionary, a 256-value embedding does not (pyarrow's default of 1 MB
+#: made the explanations' files 7 % larger than DuckDB's own writer; at 16 KiB, the same size).
+_DICTIONARY_PAGE = 16 << 10
+
+
+class _HfAhead:
+    """The ``hf`` files of the tables the DuckLake layout writes whole, written by it from the
+    rows it sorted (``_write_whole``), for :func:`_publish_hf` to take instead of sorting them
+    again: only where the ``hf`` layout would write that table whole too (no files of it yet, or
+    files it cannot bring up to date). In a scratch folder of DEST: a publication killed before
+    ``hf/`` is swapped in leaves them to the next one's sweep."""
+
+    def __init__(self, dest: Path, snap: int, wid: str):
+        self.dest, self.snap, self.wid = dest, snap, wid
+        self.held = _hf_held(dest) if (dest / "hf").is_dir() else {}
+        self.root = dest / f"{SCRATCH}{os.getpid()}-hf-ahead"
+        self.written: dict[str, Path] = {}
+
+    def folder(self, conn: duckdb.DuckDBPyConnection, table: str, cols: list[tuple[str, str]]) -> Path | None:
+        if not _chunked(table, [c for c, _ in cols]) or not _hf_whole(conn, self.dest, table, self.held, self.snap,
+                                                                      cols, self.wid):
+            return None
+        shutil.rmtree(self.root / table, ignore_errors=True)
+        return self.root / table
+
+    def take(self, table: str, target: Path) -> bool:
+        """Move the table's files written ahead to ``target``; whether there were any."""
+        ahead = self.written.pop(table, None)
+        if ahead is None or not ahead.is_dir():
+            return False
+        os.rename(ahead, target)
+        return True
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _hf_whole(conn: duckdb.DuckDBPyConnection, dest: Path, table: str, held: dict[str, Any], snap: int,
+              cols: list[tuple[str, str]], wid: str) -> bool:
+    """Whether the ``hf`` layout writes ``table`` whole (no files of it, or none it can bring up to date)."""
+    return not (dest / "hf" / table).is_dir() or _hf_changed_chunks(conn, table, held, snap, cols, wid) is None
 
 
 def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], snap: int, snap_time: datetime,
-                include_private: bool, license: str | None, out: Published) -> None:
+                include_private: bool, license: str | None, out: Published, ahead: _HfAhead | None = None) -> None:
     """Write ``DEST/hf/`` into a scratch folder, then swap it in: ``hf/`` is the publication
     before or this one, never some of each (killed part-way, the next sweeps the scratch). Files
     the warehouse's changes since the files before did not touch are hard links to them."""
@@ -933,7 +1083,8 @@ def _publish_hf(conn: duckdb.DuckDBPyConnection, dest: Path, tables: list[str], 
                 _link_or_copy(folder, target)
                 continue
             before = _files(folder) if touched is not None else {}
-            _write_hf_table(conn, table, names, snap, target, folder if touched is not None else None, touched)
+            if touched is not None or ahead is None or not ahead.take(table, target):
+                _write_hf_table(conn, table, names, snap, target, folder if touched is not None else None, touched)
             if not any(target.glob("*.parquet")):  # an empty table: one file with its columns
                 conn.execute(f"COPY (SELECT {', '.join(_ident(c) for c in names)} FROM {CATALOG}.main.{table} "
                              f"AT (VERSION => {snap}) LIMIT 0) TO '{_q(str(target / 'data_0.parquet'))}' (FORMAT parquet)")
@@ -1012,10 +1163,14 @@ def _publish_folder(settings: Settings, dest: Path, *, snapshot: int | None, at:
             _sweep(dest)
             conn.execute(f"SET temp_directory = '{_q(str(spill))}'")
         out = Published(dest, snap, snap_time, tuple(formats), dry_run=dry_run, url=url)
+        ahead = None
+        if "ducklake" in formats and "hf" in formats and not dry_run:
+            ahead = _HfAhead(dest, snap, _warehouse_id(conn))
+            stack.callback(ahead.close)  # (before the lock is let go)
         if "ducklake" in formats:
-            _publish_ducklake(conn, dest, names, snap, snap_time, include_private, url, dry_run, out)
+            _publish_ducklake(conn, dest, names, snap, snap_time, include_private, url, dry_run, out, ahead)
         if "hf" in formats and not dry_run:
-            _publish_hf(conn, dest, names, snap, snap_time, include_private, license, out)
+            _publish_hf(conn, dest, names, snap, snap_time, include_private, license, out, ahead)
         elif "hf" in formats and not out.tables:
             out.tables = [TableDone(t, _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})"), "whole") for t in names]
     finally:
