@@ -1142,3 +1142,20 @@ def test_an_emptied_or_filled_hf_table_keeps_no_stale_file(tmp_path):
     r = pub.publish(settings, dest, formats=("hf",))
     assert [p.name for p in (dest / "hf" / "activations").glob("*.parquet")] == [_hf_file("5-res-jb", 1)]
     assert pq.read_table(dest / "hf" / "activations").num_rows == len(warehouse_rows(settings, "activations", r.snapshot_id))
+
+
+def test_an_empty_table_has_its_file_but_no_config_datasets_would_refuse(built, tmp_path):
+    """`datasets.load_dataset(hf, 'fetch_failures')` failed on a table with no rows ("train
+    corresponds to no data"): the card names a config for each table with rows only, and says
+    the empty one is empty; its file (its columns) is there for pyarrow."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    _, settings, _ = built
+    r = pub.publish(settings, tmp_path / "p", tables=["features", "fetch_failures"], formats=("hf",))
+    card = (r.dest / "hf" / "README.md").read_text()
+    configs = {c["config_name"] for c in yaml.safe_load(card.split("---")[1])["configs"]}
+    assert configs == {"features"}
+    assert "| `fetch_failures` | 0 (empty: no config) |" in card
+    empty = pq.read_table(r.dest / "hf" / "fetch_failures")
+    assert empty.num_rows == 0 and "url" not in empty.column_names and "feature_key" in empty.column_names  # (url: private)

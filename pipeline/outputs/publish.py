@@ -730,14 +730,16 @@ def _card(conn: duckdb.DuckDBPyConnection, tables: list[str], snap: int, snap_ti
     import yaml
 
     notes, grains = _column_notes(), _grains()
+    counts = {t: _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})") for t in tables}
     meta = {
         "license": license or "other",
         "pretty_name": "featurehouse: Neuronpedia SAE features",
         "tags": ["interpretability", "sparse-autoencoder", "neuronpedia", "featurehouse"],
+        # an empty table has no config: `datasets` refuses a split with no rows ("corresponds to no
+        # data"); its file (its columns) is there for pyarrow and DuckDB
         "configs": [{"config_name": t, "data_files": [{"split": "train", "path": f"{t}/*.parquet"}],
-                     **({"default": True} if t == "features" else {})} for t in tables],
+                     **({"default": True} if t == "features" else {})} for t in tables if counts[t]],
     }
-    counts = {t: _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})") for t in tables}
     models = [r[0] for r in conn.execute(
         f"SELECT DISTINCT model_id FROM {CATALOG}.main.features AT (VERSION => {snap}) ORDER BY 1").fetchall()]
     sources = conn.execute(
@@ -754,7 +756,8 @@ def _card(conn: duckdb.DuckDBPyConnection, tables: list[str], snap: int, snap_ti
              f"- **Models**: {', '.join(models) or '(none)'}",
              "- **Sources**: " + (", ".join(f"{m}/{s} ({n:,} features)" for m, s, n in sources) or "(none)"),
              "", "## Tables", "", "| config | rows | what one row is |", "|---|---:|---|"]
-    lines += [f"| `{t}` | {counts[t]:,} | {grains.get(t, '').replace('|', '/')} |" for t in tables]
+    lines += [f"| `{t}` | {counts[t]:,}{'' if counts[t] else ' (empty: no config)'} | "
+              f"{grains.get(t, '').replace('|', '/')} |" for t in tables]
     for t in tables:
         cols = _columns(conn, t, snap, include_private)
         lines += ["", f"### `{t}`", "", f"Files: {', '.join(f'`{f}`' for f in files.get(t, [])) or '(none)'}", "",
