@@ -46,6 +46,7 @@ from ..config import Settings
 from ..lake import catalog_down
 from ..lake import warehouse as warehouse_mod
 from . import find
+from .find.card import latest_snapshot
 from .text import density, rounded, visible_token
 
 log = logging.getLogger(__name__)
@@ -164,12 +165,6 @@ def utc_text(t: Any) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _snapshot(conn: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    sid, t = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
-                          "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
-    return {"id": sid, "time": t}
-
-
 def _parts(request, names: tuple[str, ...]) -> dict[str, Any] | None:
     """The parts of ``/f/MODEL/SOURCE/INDEX[/history]`` or ``/s/MODEL/SOURCE``, each unquoted
     from the raw path on its own (the decoded path would cut ``a%2Fb`` in two); None when the
@@ -218,7 +213,7 @@ def make_app(where: Settings | str | os.PathLike, host: str | None = None):
         for said in ("message", "note", "error"):  # an error's words: never the catalog's password
             if isinstance(ctx.get(said), str):
                 ctx[said] = catalog_down.redact(ctx[said])
-        snap = ctx.pop("_snapshot", None) or _snapshot(_lake(settings).conn)  # the one the page was read at
+        snap = ctx.pop("_snapshot", None) or latest_snapshot(_lake(settings).conn)  # the one the page was read at
         snap = {"id": snap["id"], "time": utc_text(snap["time"])}
         body = env.get_template(name).render(snapshot=snap, **ctx)
         headers = {"Server-Timing": f"app;dur={1000 * (time.perf_counter() - t0):.1f}"} if t0 else {}

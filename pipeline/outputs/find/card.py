@@ -85,10 +85,10 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
         except FindIndexMissing as exc:
             note = str(exc)
     try:
-        parts = None
+        parts = latest = None
         if finder is not None:
             # the lake's latest snapshot first, then whether the index is current up to it
-            latest = _latest(lake) if lake is not None else None
+            latest = latest_snapshot(lake) if lake is not None else None
             try:
                 parts = finder.card((model, source, index), n_excerpts=n_excerpts, context=context,
                                     captures=captures, lake_snapshot=latest)
@@ -96,7 +96,7 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
                 note = str(exc)
         if parts is None:
             parts = _from_lake(settings, (model, source, index), n_excerpts=n_excerpts, context=context, lake=lake,
-                               captures=captures, finder=finder)
+                               captures=captures, finder=finder, latest=latest)
         neighbours: Found | None = None
         if finder is not None:
             try:
@@ -121,22 +121,26 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
     return view
 
 
-def _latest(lake: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+def latest_snapshot(lake: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """The lake's latest snapshot: its id and time (the one a read-only statement reads now)."""
     sid, t = lake.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
                           "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
     return {"id": sid, "time": t}
 
 
 def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int, context: int,
-               lake: duckdb.DuckDBPyConnection | None, captures: bool, finder: Finder | None) -> dict[str, Any]:
-    """The card's parts read from the lake at its current snapshot, at once (NoSuchFeature when
-    it holds nothing of the feature)."""
+               lake: duckdb.DuckDBPyConnection | None, captures: bool, finder: Finder | None,
+               latest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The card's parts read from the lake at its current snapshot (``latest``, when the caller
+    read it already), at once (NoSuchFeature when it holds nothing of the feature)."""
     model, source, index = key
     k = [model, source, index]
     cond = "model_id = ? AND source_id = ? AND feature_index = ?"
     own = lake is None
     with (warehouse_mod.connect(settings, read_only=True) if own else contextlib.nullcontext(lake)) as lake:
-        snap = lake.execute(f"SELECT id FROM {warehouse_mod.CATALOG}.current_snapshot()").fetchone()[0]
+        if latest is None:
+            latest = latest_snapshot(lake)
+        snap = latest["id"]
 
         def at(table: str) -> str:  # the table as of that snapshot, from any cursor
             return f"{warehouse_mod.CATALOG}.{table} AT (VERSION => {int(snap)})"
@@ -159,8 +163,6 @@ def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int
                                     list(max_value) OVER () AS every_peak
                              FROM {at('activations')} WHERE {cond}
                              ORDER BY max_value DESC NULLS LAST, activation_id LIMIT {max(int(n_excerpts), 1)}""", k),
-            "snapshot": (f"SELECT snapshot_id AS id, snapshot_time AS time FROM {warehouse_mod.CATALOG}.snapshots() "
-                         "WHERE snapshot_id = ?", [snap]),
         }
         if captures:
             queries["captures"] = (f"SELECT table_name, captured_at, run_id FROM {at('feature_captures')} "
@@ -182,7 +184,7 @@ def _from_lake(settings: Settings, key: tuple[str, str, int], *, n_excerpts: int
         del e["every_peak"]
     return {"feature": feature[0] if feature else None, "stats": stats, "explanations": explanations,
             "excerpts": excerpts, "peaks": peaks, "captures": got.get("captures"), "from": "lake",
-            "snapshot": got["snapshot"][0] if got["snapshot"] else {"id": snap, "time": None}}
+            "snapshot": latest}
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
