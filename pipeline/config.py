@@ -176,12 +176,12 @@ class Settings:
     `by-token` and `show` read, rebuilt from the warehouse at will): always on this machine's
     disk; `$FEATUREHOUSE_FIND_DIR`, else `find/` in the warehouse folder."""
 
-    data_docs: str = "run"
-    """When Great Expectations' Data Docs of a run are built: `run` (with the run's own report,
-    in `ingest` and every DAG run), or `report` (only by `featurehouse report` and the nightly
-    DAG's report task: an ingest then imports no Great Expectations, ~3 s of CPU a process; its
-    results wait as JSON under the Great Expectations folder until then);
-    `$FEATUREHOUSE_DATA_DOCS`."""
+    data_docs: str = "report"
+    """When Great Expectations records a run's results and builds its Data Docs: `report` (by
+    `featurehouse report` and the nightly DAG's report task, which record every run's waiting
+    results; an ingest imports no Great Expectations, ~6 CPU-s a process on a slow machine, and
+    its results, judged by DuckDB, wait as JSON under the Great Expectations folder until then),
+    or `run` (with the run's own report, in `ingest` and every DAG run); `$FEATUREHOUSE_DATA_DOCS`."""
 
     @property
     def catalog_url(self) -> str:

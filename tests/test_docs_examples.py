@@ -392,10 +392,12 @@ class Runner:
             return self._made[name]
 
     def samples(self) -> Path:
-        """The warehouse `make run` leaves: the samples ingested, then the find index built."""
+        """The warehouse `make run` leaves: the samples ingested, the find index built, the
+        run's report written again with its Data Docs."""
         def make() -> Path:
             wh = self.root / "samples" / "warehouse"
-            for args in (["ingest", str(ROOT / "samples"), "--run-id", SAMPLES_RUN, "--no-progress"], ["index"]):
+            for args in (["ingest", str(ROOT / "samples"), "--run-id", SAMPLES_RUN, "--no-progress"], ["index"],
+                         ["report"]):
                 r = _run([FEATUREHOUSE, *args, "--warehouse", str(wh)], self.root, self.env())
                 assert r.returncode == 0, r.why()
             return wh

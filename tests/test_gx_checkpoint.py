@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import Settings
+from pipeline.outputs.report import write_report
 from pipeline.stages import validate
 from tests.conftest import FIXTURES, query, run_ingest, write
 from tests.test_validate import CASES, GOOD
@@ -43,6 +44,10 @@ def crafted_run(tmp_path_factory):
     summary = run_ingest(paths, settings)
     assert summary.status == "succeeded", summary
     assert query(settings.warehouse, "SELECT count(DISTINCT batch_no) FROM validation_results") == [(1,)]
+    # as docs/report.md says: the run's results wait for `featurehouse report`, which has Great
+    # Expectations record them (and makes the project's objects, the first time)
+    assert not (settings.warehouse / "gx" / "checkpoints").exists()
+    write_report(settings, summary.run_id)
     return settings.warehouse, summary.run_id
 
 

@@ -143,7 +143,14 @@ def test_verdict_is_warn_with_its_rule(seed_run):
 
 
 def test_report_links_great_expectations_data_docs(seed_run, expected):
-    _, summary, path = seed_run
+    """The run's own report says how its Data Docs are built (by default Great Expectations
+    records a run's results when its report is written again: `featurehouse report`); then it
+    links them."""
+    settings, summary, path = seed_run
+    if settings.data_docs == "report":  # the default
+        assert f"<code>featurehouse report --run {summary.run_id}</code>, which builds them" in path.read_text()
+        assert "data_docs/local_site" not in path.read_text()
+        assert write_report(settings, summary.run_id) == path
     links = re.findall(r'<a href="([^"]+)">', path.read_text())
     docs = [h for h in links if "data_docs" in h]
     assert any(h.endswith("local_site/index.html") for h in docs)

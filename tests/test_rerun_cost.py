@@ -21,6 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 
 
+@pytest.fixture(autouse=True)
+def _data_docs_with_the_run(monkeypatch):
+    """What these tests hold is the cost of ``data_docs = "run"`` (Great Expectations records
+    and builds a run's Data Docs in its ingest), which the default (``report``) leaves to
+    ``featurehouse report``: tests/test_data_docs_later.py holds that one."""
+    monkeypatch.setenv("FEATUREHOUSE_DATA_DOCS", "run")
+
+
 def _settings(tmp: Path) -> Settings:
     return Settings.from_env(warehouse=tmp / "wh")
 

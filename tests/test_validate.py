@@ -259,15 +259,22 @@ def test_duckdb_judges_as_great_expectations_does(tmp_path, monkeypatch):
                 sorted((r.expectation_config.meta["check_name"], r.success) for r in ge.results)
 
 
-def test_duckdb_judges_what_great_expectations_records(tmp_path):
+@pytest.mark.parametrize("data_docs", ["report", "run"])
+def test_duckdb_judges_what_great_expectations_records(tmp_path, data_docs):
     """What DuckDB judged is stored as Great Expectations' own validation result and its Data
-    Docs page is built from it: the failing expectation, its counts and a failing row's id."""
+    Docs page is built from it: the failing expectation, its counts and a failing row's id. By
+    default (``report``) the result waits until the Data Docs are built; with ``run``, the
+    ingest records it."""
     from pipeline.stages import validate
 
     summary = run_ingest([write(tmp_path / "in" / "bad.json", CASES["frac_nonzero_is_fraction"][0])],
-                         Settings(warehouse=tmp_path / "wh"))
+                         Settings(warehouse=tmp_path / "wh", data_docs=data_docs))
     assert summary.status == "succeeded", summary
-    stored = sorted((tmp_path / "wh" / "gx" / "uncommitted" / "validations").rglob("*.json"))
+    validations = tmp_path / "wh" / "gx" / "uncommitted" / "validations"
+    if data_docs == "report":
+        assert not validations.exists() and validate.has_pending(tmp_path / "wh", summary.run_id)
+        validate.build_data_docs(tmp_path / "wh", summary.run_id)
+    stored = sorted(validations.rglob("*.json"))
     assert stored, "no Great Expectations result was stored"
     results = {}
     for path in stored:

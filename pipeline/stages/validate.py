@@ -661,13 +661,22 @@ def store_pending(project_dir: Path | str, run_id: str, batch_no: int, validated
     if not all(isinstance(r, dict) for r in outcome.gx_results.values()):
         return None
     folder = Path(project_dir) / _PENDING / run_id
-    folder.mkdir(parents=True, exist_ok=True)
     for table, record in outcome.gx_results.items():
         path = folder / f"batch-{batch_no:04d}-{table}.json"
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"batch_no": batch_no, "validated_at": validated_at.isoformat(),
-                                   "table": table, "record": record}, default=str))
-        os.replace(tmp, path)
+        text = json.dumps({"batch_no": batch_no, "validated_at": validated_at.isoformat(),
+                           "table": table, "record": record}, default=str)
+        for attempt in (1, 2, 3):
+            # a report recording this run's waiting results meanwhile removes the folder when
+            # it has emptied it (_record_pending): made again, the file written again
+            folder.mkdir(parents=True, exist_ok=True)
+            try:
+                tmp.write_text(text)
+                os.replace(tmp, path)
+                break
+            except FileNotFoundError:
+                if attempt == 3:
+                    raise
     return len(outcome.gx_results)
 
 
@@ -688,6 +697,12 @@ def _record_pending(project_dir: Path | str, run_id: str) -> int:
         with contextlib.suppress(OSError):
             folder.rmdir()
     return done
+
+
+def _pending_runs(project_dir: Path | str) -> list[str]:
+    """The runs whose results wait for Great Expectations to record them (``store_pending``)."""
+    folder = Path(project_dir) / _PENDING
+    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
 
 
 def has_pending(project_dir: Path | str, run_id: str) -> bool:
@@ -718,16 +733,22 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
     stored, of every run (~5 ms each, measured: 0.55 s of a one-page run with 99 stored, and
     an inbox run every few minutes stores ~3 more). Without it (a run's own report, written by
     ``ingest``) the index is built only when the site has none; ``featurehouse report`` and the
-    nightly DAG's report task refresh it.
+    nightly DAG's report task refresh it. Results waiting as JSON (``store_pending``) are
+    recorded first: the run's, and with ``index`` every run's, with their pages, so that the
+    index lists every run (an inbox run's too, which no report command names).
     """
     # The results store is a folder per suite and run: when the run stored none (an unchanged
     # re-run), there is nothing to build, and no reason to import Great Expectations (seconds).
     base = Path(project_dir) / "gx" / "uncommitted"
-    if has_pending(project_dir, run_id):
+    # The index lists every result stored: refreshing it records every run's waiting results
+    # first (an inbox run's, which no report command named), and builds their pages below.
+    waiting = [r for r in _pending_runs(project_dir) if r == run_id or index and has_pending(project_dir, r)]
+    if waiting:
         with _GX_USE:
-            _record_pending(project_dir, run_id)
+            for run in waiting:
+                _record_pending(project_dir, run)
     stored = sorted(base.glob(f"validations/*/{glob_escape(run_id)}/*/*.json"))
-    if not stored:
+    if not stored and not (index and waiting):
         return []
     site = base / "data_docs" / "local_site"  # where _file_context's site writes
     pages = [site / p.relative_to(base).with_suffix(".html") for p in stored]
@@ -735,8 +756,10 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
         return pages  # nothing to build: no Great Expectations, nothing read of other runs
     with _GX_USE:
         context = _file_context(str(project_dir)).context
-        keys = [k for k in context.validation_results_store.list_keys() if k.run_id.run_name == run_id]
-        if not keys:
+        every = context.validation_results_store.list_keys()
+        keys = [k for k in every if k.run_id.run_name == run_id]
+        others = [k for k in every if index and k.run_id.run_name in waiting and k.run_id.run_name != run_id]
+        if not keys and not others:
             return []
         root = Path(unquote(urlparse(context.build_data_docs(dry_run=True)["local_site"]).path)).parent
 
@@ -744,12 +767,12 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
             suite, run_name, run_time, batch = k.to_tuple()
             return root / "validations" / suite / run_name / run_time / f"{batch}.html"
 
-        missing = [k for k in keys if not page(k).exists()]
+        missing = [k for k in keys + others if not page(k).exists()]
         with_index = index or not (root / "index.html").exists()
         if missing:
             context.build_data_docs(resource_identifiers=missing, build_index=with_index)
         elif with_index:
             # Great Expectations takes no list as every page in the store: given a key no
             # result has, it builds no page, then the index.
-            context.build_data_docs(resource_identifiers=[_no_page(keys[0])])
+            context.build_data_docs(resource_identifiers=[_no_page((keys or others)[0])])
     return sorted(p for p in map(page, keys) if p.exists())
