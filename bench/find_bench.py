@@ -124,7 +124,7 @@ def main() -> None:
     if not (a.keep and wh.exists()):
         shutil.rmtree(wh, ignore_errors=True)
         # The ingest is not what is measured here. These activations files in more than one
-        # batch make the load's id check (load._newest_keeps_each_id) run out of DuckDB's memory,
+        # batch make the load's id check (captures._newest_keeps_each_id) run out of DuckDB's memory,
         # and of the disk when given more (so does release 59aeb32, before issue 19: see
         # docs/benchmarks.md); in one batch they load. So: activations in one batch, then the rest.
         # Explanations files one run each: in one run of all 16, the load's temporary storage

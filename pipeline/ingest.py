@@ -37,27 +37,23 @@ from .lake import catalog_down, runstate, s3, warehouse
 from .lake.landing import disk_full, landed_path, open_landed, read_landed
 from .lake.runstate import COUNTERS, RunSummary, write_counts
 from .lake.s3 import is_s3
+from .lake.sqltext import insert_values
 from .lake.warehouse import utcnow
 from .names import check_run_id
 from .signals import RAISED, importing
 from .stages import materialise, stage, validate
+from .stages.captures import AGAIN_READ, DATA_TABLES, claim_captures, retime_checked, settle_again
 from .stages.land import Digests, Landed, land
 from .stages.load import (
-    AGAIN_READ,
-    DATA_TABLES,
     REFERENCE_KEYS,
     STAGED_ACTIVATIONS,
-    claim_captures,
     delete,
     forget_decided,
     insert_rows,
-    insert_values,
     prestats,
     prewrite,
     record_captures,
     replace_staged,
-    retime_checked,
-    settle_again,
     upsert_reference,
 )
 from .stages.parse import (
@@ -475,7 +471,7 @@ class _Run:
 
     def _settle_again(self, batch: _Batch) -> None:
         """Bytes taken before that came again: content dedup skips reading them, never the
-        capture-time decision (``load.settle_again``). Those whose capture changes what is
+        capture-time decision (``captures.settle_again``). Those whose capture changes what is
         loaded are read again now, in this batch; the others are skipped, a newer capture time
         recorded (``batch.retimes``). Inputs read again take the newest capture time of their
         bytes (a copy's file may be older than a capture already recorded)."""
@@ -525,7 +521,7 @@ class _Run:
         return rows, len(run_inputs) - len(rows)
 
     def _requeue(self, batch: _Batch, moved: list[str]) -> int:
-        """Inputs whose retime the commit found moved (see ``load.retime_checked``): read again in
+        """Inputs whose retime the commit found moved (see ``captures.retime_checked``): read again in
         a batch after this one (``requeued``); returns how many 'duplicate' rows that undid."""
         undone = 0
         for sha in moved:

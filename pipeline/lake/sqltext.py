@@ -88,3 +88,17 @@ def execute(conn: duckdb.DuckDBPyConnection, sql: str,
             params: dict[str, Any] | list | tuple | None = None) -> duckdb.DuckDBPyConnection:
     """``conn.execute(sql, params)`` with the values written in (see ``bind``): no pandas."""
     return conn.execute(bind(sql, params))
+
+
+def insert_values(conn: duckdb.DuckDBPyConnection, table: str, rows: list[dict], chunk: int = 2000) -> int:
+    """Append small rows of a few short scalar columns (``run_inputs``) as literal ``VALUES``,
+    by the first row's column names: without Arrow, whose ``pa.array`` imports pandas, which a
+    run that loads nothing never needs otherwise (see ``bind``)."""
+    if not rows:
+        return 0
+    cols = list(rows[0])
+    head = f"INSERT INTO {table} ({', '.join(cols)}) VALUES "
+    for i in range(0, len(rows), chunk):
+        conn.execute(head + ", ".join(
+            "(" + ", ".join(literal(r[c]) for c in cols) + ")" for r in rows[i:i + chunk]))
+    return len(rows)

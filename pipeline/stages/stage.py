@@ -1158,7 +1158,7 @@ def create_views(conn: duckdb.DuckDBPyConnection) -> None:
     A record that one input carries more than once with identical contents is kept once.
     Copies of one key with different contents in one input are all kept, so that the suite's
     uniqueness expectation refuses them rather than one silently winning; copies from different
-    inputs are captures competing in the load (``load.claim_captures`` for a feature, the
+    inputs are captures competing in the load (``captures.claim_captures`` for a feature, the
     newest capture for an activation or explanation id). Bookkeeping tables
     (models, sources, source sets) keep the last copy per key. The (costly) content hash is
     only computed when a key repeats at all.

@@ -298,7 +298,7 @@ def frame_for(table: str, warehouse: Any, *, run_id: str | None = None, inputs: 
     """
     from ..lake import landing
     from ..lake import warehouse as lake
-    from . import load, stage
+    from . import captures, stage
 
     if table not in SUITES:
         raise ValueError(f"no suite judges {table!r}: one of {', '.join(SUITES)}")
@@ -334,7 +334,7 @@ def frame_for(table: str, warehouse: Any, *, run_id: str | None = None, inputs: 
         scratch.execute("CREATE TEMP TABLE batch_inputs (input_sha256 VARCHAR, captured_at TIMESTAMP, is_page BOOLEAN)")
         scratch.executemany("INSERT INTO batch_inputs VALUES (?, ?, ?)",
                             [(sha, at, not (fmt or "").endswith("export_jsonl")) for sha, fmt, at in found])
-        load.claim_captures(scratch)
+        captures.claim_captures(scratch)
         return _check_frame(scratch, table)
     finally:
         scratch.close()
