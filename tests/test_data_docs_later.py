@@ -122,3 +122,63 @@ def test_the_report_command_records_every_runs_waiting_results_in_the_index(tmp_
     (path,), = query(wh, "SELECT report_path FROM runs WHERE run_id = ?", [runs[0]])
     html = Path(path).read_text()
     assert "local_site/validations/" in html and "builds them" not in html
+
+
+def _runs_waiting(tmp_path: Path, n: int) -> tuple[Settings, list[str]]:
+    """``n`` runs of one bad page each, their results waiting (the default, in-process)."""
+    from tests.conftest import run_ingest
+
+    settings = Settings(warehouse=tmp_path / "wh", data_docs="report")
+    runs = []
+    for i in range(n):
+        summary = run_ingest([write(tmp_path / f"in{i}" / "p.json", _bad_page(40 + i))], settings)
+        assert summary.status == "succeeded", summary
+        runs.append(summary.run_id)
+    return settings, runs
+
+
+def test_a_damaged_waiting_result_is_set_aside_and_stops_no_other(tmp_path, caplog):
+    """Found by the outside review: one waiting file cut short (or not a result at all) made
+    every later report fail to record any run's results."""
+    from pipeline.stages import validate
+
+    settings, runs = _runs_waiting(tmp_path, 3)
+    pending = settings.warehouse / "gx" / "uncommitted" / "featurehouse-pending"
+    cut = pending / runs[0] / "batch-0001-features.json"
+    cut.write_bytes(cut.read_bytes()[:100])
+    (pending / runs[1] / "batch-0009-features.json").write_text('{"a": 1}')
+    with caplog.at_level("WARNING"):
+        pages = validate.build_data_docs(settings.warehouse, runs[2])
+    assert len(pages) == 3  # the run named: its three suites
+    validations = settings.warehouse / "gx" / "uncommitted" / "validations"
+    recorded = sorted((p.parents[2].name, p.parent.parent.name) for p in validations.rglob("*.json"))
+    assert recorded == sorted([(t, r) for r in runs for t in validate.SUITES if (t, r) != ("features", runs[0])])
+    assert sorted(p.name for p in pending.rglob("*.broken")) == ["batch-0001-features.json.broken",
+                                                                 "batch-0009-features.json.broken"]
+    assert not list(pending.rglob("*.json"))
+    assert caplog.text.count("set aside as") == 2
+
+
+def test_the_report_builds_the_pages_a_killed_report_left_unbuilt(tmp_path):
+    """Found by the outside review: a report killed after recording other runs' results, before
+    their pages, left them out of the Data Docs for good (only runs still waiting were built)."""
+    from pipeline.stages import validate
+
+    settings, runs = _runs_waiting(tmp_path, 3)
+    validate.build_data_docs(settings.warehouse, runs[0])
+    site = settings.warehouse / "gx" / "uncommitted" / "data_docs" / "local_site"
+    gone = sorted((site / "validations").rglob(f"*/{runs[1]}/*/*.html"))
+    assert len(gone) == 3
+    for p in gone:
+        p.unlink()
+    index = site / "index.html"
+    index.write_text("stale")
+    validate.build_data_docs(settings.warehouse, runs[2])  # another run's report: its results recorded
+    assert all(p.exists() for p in gone) and runs[1] in index.read_text()
+    for p in gone:
+        p.unlink()
+    # nothing waiting and nothing of its own stored (an unchanged run): the index is mended all the same
+    assert validate.build_data_docs(settings.warehouse, "run-that-stored-nothing") == []
+    assert all(p.exists() for p in gone)
+    # with every page there and nothing waiting, no Great Expectations is needed to know it
+    assert not validate._pages_missing(settings.warehouse / "gx" / "uncommitted", site)

@@ -39,6 +39,8 @@ from ..config import SCHEMAS_DIR
 from . import parse
 from .materialise import EXCERPT, excerpt_columns
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "SUITES", "SuiteError", "ValidationOutcome", "validate_batch", "load_suite",
     "store_results", "build_data_docs", "frame_for", "checkpoint_name",
@@ -687,11 +689,22 @@ def _record_pending(project_dir: Path | str, run_id: str) -> int:
     files = sorted(folder.glob("batch-*.json")) if folder.is_dir() else []
     done = 0
     for path in files:
-        kept = json.loads(path.read_text())
-        outcome = ValidationOutcome(gx_results={kept["table"]: kept["record"]})
-        _store(project_dir, run_id, int(kept["batch_no"]),
-               datetime.datetime.fromisoformat(kept["validated_at"]), outcome)
-        path.unlink()
+        try:
+            kept = json.loads(path.read_text())
+            outcome = ValidationOutcome(gx_results={kept["table"]: kept["record"]})
+            batch_no, at = int(kept["batch_no"]), datetime.datetime.fromisoformat(kept["validated_at"])
+        except FileNotFoundError:
+            continue  # another report recorded it meanwhile (recording it twice stores one result)
+        except (ValueError, KeyError, TypeError) as exc:
+            # damaged (a full disk, a hand): set aside, so it stops no other result's recording
+            aside = path.with_name(path.name + ".broken")
+            with contextlib.suppress(OSError):
+                os.replace(path, aside)
+            log.warning("a waiting Great Expectations result could not be read (%s: %s); set aside as %s",
+                        type(exc).__name__, exc, aside)
+            continue
+        _store(project_dir, run_id, batch_no, at, outcome)
+        path.unlink(missing_ok=True)
         done += 1
     if files:
         with contextlib.suppress(OSError):
@@ -709,6 +722,13 @@ def has_pending(project_dir: Path | str, run_id: str) -> bool:
     """Whether the run has results waiting for its Data Docs (see ``store_pending``)."""
     folder = Path(project_dir) / _PENDING / run_id
     return folder.is_dir() and any(folder.glob("batch-*.json"))
+
+
+def _pages_missing(base: Path, site: Path) -> bool:
+    """Whether a result stored has no Data Docs page (a report killed between the two): read
+    off the folders, without Great Expectations."""
+    return any(not (site / p.relative_to(base).with_suffix(".html")).exists()
+               for p in base.glob("validations/*/*/*/*.json"))
 
 
 def _no_page(like):
@@ -748,9 +768,9 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
             for run in waiting:
                 _record_pending(project_dir, run)
     stored = sorted(base.glob(f"validations/*/{glob_escape(run_id)}/*/*.json"))
-    if not stored and not (index and waiting):
-        return []
     site = base / "data_docs" / "local_site"  # where _file_context's site writes
+    if not stored and not (index and (waiting or _pages_missing(base, site))):
+        return []
     pages = [site / p.relative_to(base).with_suffix(".html") for p in stored]
     if not index and (site / "index.html").exists() and all(p.exists() for p in pages):
         return pages  # nothing to build: no Great Expectations, nothing read of other runs
@@ -758,7 +778,9 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
         context = _file_context(str(project_dir)).context
         every = context.validation_results_store.list_keys()
         keys = [k for k in every if k.run_id.run_name == run_id]
-        others = [k for k in every if index and k.run_id.run_name in waiting and k.run_id.run_name != run_id]
+        # every other run's result whose page is missing (recorded above, or by a report killed
+        # before its pages were built): the index links them
+        others = [k for k in every if index and k.run_id.run_name != run_id]
         if not keys and not others:
             return []
         root = Path(unquote(urlparse(context.build_data_docs(dry_run=True)["local_site"]).path)).parent
