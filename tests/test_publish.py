@@ -1059,7 +1059,7 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
 
 
 def _hf_file(source: str, index: int, model: str = "gpt-oss-20b") -> str:
-    """The hf layout's file for a feature of a table cut by source and feature (``pub._chunk_sql``)."""
+    """The hf layout's file for a feature of a table cut by source and feature (``publish_hf_files._chunk_sql``)."""
     import hashlib
 
     digest = hashlib.md5(f"{model}\x00{source}".encode()).hexdigest()[:12]

@@ -48,7 +48,9 @@ import duckdb
 
 from ..config import Settings
 from ..lake.s3 import PART_SIZE, S3Url
+from ..lake.warehouse import _q
 from . import publish as pub
+from .publish_folder import _check_dest, _known_files, _link_or_copy, _lock
 
 __all__ = ["UploadFailed", "Upload", "publish", "publish_s3", "stage_for"]
 
@@ -314,8 +316,8 @@ def _take_what_s3_holds(c: Any, u: S3Url, folder: Path, remote: dict[str, tuple[
         if cat.exists():
             try:
                 with duckdb.connect() as raw:
-                    raw.execute(f"ATTACH '{pub._q(str(cat))}' AS w (READ_ONLY)")
-                    named = pub._known_files(raw, "w")
+                    raw.execute(f"ATTACH '{_q(str(cat))}' AS w (READ_ONLY)")
+                    named = _known_files(raw, "w")
             except duckdb.Error as exc:
                 raise pub.PublishRefused(f"{u.join(pub.CATALOG_FILE)} is not a catalog a publication made "
                                          f"({str(exc).splitlines()[0]}): publish into another prefix") from None
@@ -500,9 +502,9 @@ def publish_s3(settings: Settings, url: str, *, formats: tuple[str, ...], stage:
     try:
         stage.mkdir(parents=True, exist_ok=True, mode=0o700)
         (stage / "where.txt").write_text(f"{url}\n{settings.s3_endpoint or 'AWS'}\n", encoding="utf-8")
-        folder = pub._check_dest(settings, stage / "dest")
+        folder = _check_dest(settings, stage / "dest")
         folder.mkdir(exist_ok=True)
-        pub._lock(folder, stack)  # one publication through this folder at a time
+        _lock(folder, stack)  # one publication through this folder at a time
         for old in stage.glob(f"{pub.SCRATCH}dry-*"):  # a dry run killed part-way
             shutil.rmtree(old, ignore_errors=True)
         tags = ETags(folder)
@@ -568,7 +570,7 @@ def _link_tree(src: Path, dst: Path) -> None:
     for top in TOP:
         p = src / top
         if p.is_dir():
-            pub._link_or_copy(p, dst / top)
+            _link_or_copy(p, dst / top)
         elif p.is_file():
             try:
                 os.link(p, dst / top)
