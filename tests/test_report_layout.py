@@ -221,7 +221,7 @@ def test_the_failures_chosen_to_list_are_those_with_the_lowest_numbers():
     (or batch numbers), not the first in text order (0, 1, 10, 100, ...)."""
     import duckdb
 
-    from pipeline.outputs.report import _by_number
+    from pipeline.outputs.report_data import _by_number
 
     base = "http://127.0.0.1:8765/api/feature/gpt-oss-20b/11-resid-post-aa/"
     urls = [f"{base}{i}" for i in range(120)] + [f"http://x/v1/m/s/batch-{i}.jsonl.gz" for i in range(12)]
