@@ -182,3 +182,21 @@ def test_the_report_builds_the_pages_a_killed_report_left_unbuilt(tmp_path):
     assert all(p.exists() for p in gone)
     # with every page there and nothing waiting, no Great Expectations is needed to know it
     assert not validate._pages_missing(settings.warehouse / "gx" / "uncommitted", site)
+
+
+def test_the_report_of_a_run_that_changed_nothing_records_the_runs_waiting(tmp_path):
+    """Found by the outside review: `featurehouse report` names the latest run by default, and
+    after a re-run that is one that changed nothing, whose short report recorded nothing."""
+    from tests.conftest import run_ingest
+
+    settings, runs = _runs_waiting(tmp_path, 2)
+    again = run_ingest([tmp_path / "in1" / "p.json"], settings)
+    assert again.status == "succeeded" and again.n_loaded == 0
+    done = subprocess.run([str(EXE), "report", "--warehouse", str(settings.warehouse)], capture_output=True,
+                          text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert again.run_id in done.stdout  # the latest: the re-run
+    pending = settings.warehouse / "gx" / "uncommitted" / "featurehouse-pending"
+    assert not list(pending.rglob("*.json"))
+    index = (settings.warehouse / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html").read_text()
+    assert all(r in index for r in runs)

@@ -183,6 +183,10 @@ def _write_read(conn, run_id, out_dir: Path, settings: Settings, data_docs_index
     out_dir.mkdir(parents=True, exist_ok=True)
     if changed_nothing(run):
         ctx = _gather_quiet(conn, run, out_dir)
+        if data_docs_index:
+            # `featurehouse report` (or the nightly report task) of a run that changed nothing,
+            # which `report` names by default after a re-run: other runs' results still wait
+            _data_docs(settings.gx_dir, run_id, out_dir, True)
     else:
         ctx = _gather(conn, run)
         ctx["charts"] = _charts(ctx, out_dir / ".charts")
