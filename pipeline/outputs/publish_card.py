@@ -46,7 +46,7 @@ def _grains() -> dict[str, str]:
 
 
 def _runs_verdicts(conn: duckdb.DuckDBPyConnection, snap: int) -> list[dict[str, Any]]:
-    from .report import verdict
+    from .verdict import verdict
 
     rows = conn.execute(
         f"SELECT run_id, status, started_at, finished_at, n_received, n_duplicates, n_loaded, n_rejected, "
