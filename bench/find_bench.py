@@ -84,7 +84,7 @@ def _direct_explanations(wh: Path, src: Path) -> None:
     """Every explanations file into the lake in one statement, parsed as the export road parses
     it (no validation, no captures): what the find index reads, without the pipeline's load."""
     from pipeline.lake import warehouse
-    from pipeline.stages.stage import _with_embedding
+    from pipeline.stages.columns import _with_embedding
 
     sel = f"""SELECT id AS explanation_id, modelId AS model_id, layer AS source_id,
                      CAST("index" AS BIGINT) AS feature_index, description,

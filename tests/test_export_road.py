@@ -290,9 +290,10 @@ def test_a_quarantined_export_record_is_its_line_as_received(tmp_path, no_python
 
 def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkeypatch):
     from pipeline.config import Settings
-    from pipeline.stages import stage
+    from pipeline.stages import export_road, stage
 
-    monkeypatch.setattr(stage, "MAX_BAD_LINES", 5)
+    monkeypatch.setattr(stage, "MAX_BAD_LINES", 5)  # as ingest looks it up
+    monkeypatch.setattr(export_road, "MAX_BAD_LINES", 5)
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
     key, lines = _activation_lines(objects)
     # A good first line (so it looks like an export batch), then something else altogether.
@@ -317,10 +318,10 @@ def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loade
     could not read were not where the bad lines are, a good row could be lost: refused whole."""
     import duckdb
 
-    from pipeline.stages import stage
+    from pipeline.stages import export_road
 
-    scan = stage._scan_lines
-    monkeypatch.setattr(stage, "_scan_lines",
+    scan = export_road._scan_lines
+    monkeypatch.setattr(export_road, "_scan_lines",
                         lambda conn, src, trouble, again, *rest: scan(conn, src, {p + 2 for p in trouble}, again, *rest))
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
     _, lines = _activation_lines(objects)
@@ -328,7 +329,7 @@ def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loade
     path = tmp_path / "batch-0.jsonl.gz"
     path.write_bytes(gzip.compress(b"\n".join(lines) + b"\n"))
     conn = duckdb.connect()
-    read = stage.read_exports(conn, {"activations": [("sha", path, len(lines))]})
+    read = export_road.read_exports(conn, {"activations": [("sha", path, len(lines))]})
     assert read.read == set() and not read.bad_lines
     assert read.refused["sha"].startswith("DuckDB's reading of it does not line up with its lines")
     assert conn.execute("SELECT count(*) FROM fast_export_activations").fetchone() == (0,)
@@ -498,7 +499,7 @@ def test_a_page_with_the_same_damage_does_not_load_it_as_a_number(tmp_path, dama
 def test_the_line_check_finds_lines_across_chunk_seams():
     """The check is fed the decompressed bytes in chunks of any size: lines that straddle two
     chunks, blank lines, a last line without a newline and a line too long to hold."""
-    from pipeline.stages import stage
+    from pipeline.stages import line_check
 
     objects = build_bucket(small_pages(range(0, 3), n_activations=3), producer="a")
     _, lines = _activation_lines(objects)
@@ -507,12 +508,12 @@ def test_the_line_check_finds_lines_across_chunk_seams():
     lines[7] = lines[7][:30]  # cut: not JSON to simdjson, so the Python road's (unless DuckDB's read finds it bad first)
     body = b"\n".join(lines[:4] + [b"", b"  "] + lines[4:])  # blank lines have no position
     for size in (1, 7, 4096, len(body)):
-        check = stage.LineCheck("activations")
+        check = line_check.LineCheck("activations")
         for at in range(0, len(body), size):
             check.feed(body[at:at + size])
         assert check.finish() == [3, 6, 8], size
-    check = stage.LineCheck("activations")
-    check.feed(b"{" + b" " * stage._MAX_OBJECT)  # longer than a line DuckDB reads: counted, not parsed
+    check = line_check.LineCheck("activations")
+    check.feed(b"{" + b" " * line_check._MAX_OBJECT)  # longer than a line DuckDB reads: counted, not parsed
     check.feed(b"}\n" + lines[2] + b"\n")
     assert check.finish() == [2]
 
@@ -559,9 +560,10 @@ def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage)
 def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(tmp_path, monkeypatch):
     """Lines the Python road finds no records (a bad index) count toward the limit on the gzip
     road as on the plain road, and so do lines that are no JSON (the plain road skipped its count)."""
-    from pipeline.stages import parse, stage
+    from pipeline.stages import export_road, parse, stage
 
-    monkeypatch.setattr(stage, "MAX_BAD_LINES", 3)
+    monkeypatch.setattr(stage, "MAX_BAD_LINES", 3)  # as ingest looks it up
+    monkeypatch.setattr(export_road, "MAX_BAD_LINES", 3)
     monkeypatch.setattr(parse, "MAX_BAD_LINES", 3)
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
     key, lines = _activation_lines(objects)
@@ -636,9 +638,10 @@ def test_a_field_that_only_later_lines_carry_is_kept_on_every_road(tmp_path, mon
     """The gzip road takes an activation file's columns from its first lines
     (``_ACTIVATION_KEY_LINES``, 3 here): a field first carried after them, or another spelling
     of one of theirs, was lost from ``extra`` there, where the plain road kept it."""
-    from pipeline.stages import stage
+    from pipeline.stages import export_road, line_check
 
-    monkeypatch.setattr(stage, "_ACTIVATION_KEY_LINES", 3)
+    monkeypatch.setattr(line_check, "_ACTIVATION_KEY_LINES", 3)  # LineCheck's window
+    monkeypatch.setattr(export_road, "_ACTIVATION_KEY_LINES", 3)  # _file_fields's
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="b")
     key, lines = _activation_lines(objects)
     expected = {}
@@ -806,25 +809,25 @@ def _fields_both_ways(tmp_path, objects: dict[str, bytes]) -> dict[str, tuple]:
     """Each table's (columns, other spellings by file) as _unknown_fields finds them from the
     fields each file's LineCheck saw while it was measured, and from DuckDB's pass over the files."""
     from pipeline.lake.extensions import new_connection
-    from pipeline.stages import stage
+    from pipeline.stages import columns, export_road, line_check
     from pipeline.stages.parse import gunzip_measure
 
     got = {}
     conn = new_connection([])
-    for table, known in stage._EXPORT_COLUMNS.items():
+    for table, known in columns._EXPORT_COLUMNS.items():
         group, given = [], {}
         for i, (key, data) in enumerate(sorted(objects.items())):
             if f"/{table}/" not in key:
                 continue
             path = tmp_path / f"{table}-{i}.jsonl.gz"
             path.write_bytes(data)
-            check = stage.LineCheck(table)
+            check = line_check.LineCheck(table)
             with open(path, "rb") as f:
                 gunzip_measure(f, 1 << 40, lines=check)
             check.finish()
             group.append((f"sha{i}", path, data.count(b"\n")))
             given[f"sha{i}"] = check.fields
-        got[table] = (stage._unknown_fields(conn, group, known, given), stage._unknown_fields(conn, group, known))
+        got[table] = (export_road._unknown_fields(conn, group, known, given), export_road._unknown_fields(conn, group, known))
     return got
 
 
@@ -834,9 +837,10 @@ def test_the_fields_a_line_check_saw_are_those_duckdb_reads(tmp_path, monkeypatc
     measured) instead of a second DuckDB pass over every file (~9 % of a whole source's CPU):
     the same columns and the same other spellings either way, a late field past an activation
     file's first lines and an explanation's and a feature's own fields included."""
-    from pipeline.stages import stage
+    from pipeline.stages import export_road, line_check
 
-    monkeypatch.setattr(stage, "_ACTIVATION_KEY_LINES", 3)
+    monkeypatch.setattr(line_check, "_ACTIVATION_KEY_LINES", 3)  # LineCheck's window
+    monkeypatch.setattr(export_road, "_ACTIVATION_KEY_LINES", 3)  # _file_fields's
     objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
     files = {n: list(_activation_lines(objects, n)) for n in (0, 1)}
     for i, (name, batch, at) in enumerate(_CASE_COLLISIONS[collision] + [("late", 0, 9)]):
@@ -860,12 +864,12 @@ def test_an_ingest_of_export_files_reads_no_file_again_for_its_fields(tmp_path, 
     """The fields come from the line checks of the measure pass: DuckDB's pass over the files
     for them (_file_fields) is not made, and the batch loads as before."""
     from pipeline.config import Settings
-    from pipeline.stages import stage
+    from pipeline.stages import export_road
 
     def no_second_pass(*args, **kwargs):
         raise AssertionError("an export file was read again for its fields")
 
-    monkeypatch.setattr(stage, "_file_fields", no_second_pass)
+    monkeypatch.setattr(export_road, "_file_fields", no_second_pass)
     objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
     key, lines = _activation_lines(objects)
     lines[2] = b'{"Foo":7,' + lines[2][1:]  # a field no column names: a column of this read, kept in extra

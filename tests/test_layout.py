@@ -104,7 +104,6 @@ KNOWN_LONG = {
     "sources/fetch.py": "the fetch loop, whether a source exists, ingesting what a window landed: not split yet",
     "sources/plan.py": "featurehouse.toml checked against its schema, the plan and its chunks: not split yet",
     "stages/parse.py": "every input shape (API JSON, flight text, HTML, export lines) and field coercion: not split yet",
-    "stages/stage.py": "both roads into the staging views (DuckDB's read_json and Python's): not split yet",
     "stages/validate.py": "the validate stage and its Great Expectations context: not split yet",
 }
 

@@ -1073,7 +1073,7 @@ _FEATURE_RELATIONS = {"model", "source", "sourceSet", "activations", "explanatio
 
 def _extra(obj: dict, columns: frozenset[str], listed: tuple[str, ...]) -> str:
     """``obj``'s fields that have no column: the listed ones (null when absent), then any
-    other that is not null, by name (as stage.py's ``_extra_sql`` builds it)."""
+    other that is not null, by name (as columns.py's ``_extra_sql`` builds it)."""
     extra = {k: obj.get(k) for k in listed}
     for k in unlisted_fields(obj.keys(), columns, listed):
         if obj[k] is not None:
@@ -1083,7 +1083,7 @@ def _extra(obj: dict, columns: frozenset[str], listed: tuple[str, ...]) -> str:
 
 def _embedding(v: Any) -> tuple[list[float] | None, int | None, bool | None]:
     """An explanation's embedding (a JSON list, or a string holding one): the numbers, how many
-    values it holds, and whether they are all finite numbers (see ``stage._EMBEDDING_SQL``)."""
+    values it holds, and whether they are all finite numbers (see ``columns._EMBEDDING_NUMERIC``)."""
     if v is None:
         return None, None, None
     if isinstance(v, str):
