@@ -121,7 +121,7 @@ def _vs_local(pairs: int, tmp: Path, pg, landing: str, exports: list, export_mb:
     import statistics
 
     from pipeline.config import Settings
-    from pipeline.sources.plan import ingest_units
+    from pipeline.sources.night import ingest_units
 
     unit = [{"window": "exports", "model": MODEL, "source": SOURCE, "via": "exports"}]
     shares, runs = [], []
@@ -160,7 +160,7 @@ def main() -> None:
 
     from bench.generate import synthetic_pages
     from pipeline.config import Settings
-    from pipeline.sources.plan import ingest_units
+    from pipeline.sources.night import ingest_units
     from tests.airflow_helpers import free_port, postgres_cluster, start, stop, wait_for_port
     from tests.fake_neuronpedia import build_bucket
 

@@ -182,7 +182,7 @@ def failure_notifier(config: dict):
             name runs by it): the one the DAG's tasks give their runs; and the failed task's error."""
             context["featurehouse_error"] = failed_task_error(context)
             try:
-                from pipeline.sources.plan import run_id_for
+                from pipeline.sources.night import run_id_for
 
                 context["featurehouse_run_id"] = run_id_for(run_key(context), context["dag"].dag_id)
             except Exception:  # noqa: BLE001 - a mail without it beats no mail

@@ -79,7 +79,8 @@ def featurehouse_inbox():
 
         from pipeline.config import Settings
         from pipeline.sources.inbox import drain_inbox
-        from pipeline.sources.plan import load_inbox_plan, run_id_for
+        from pipeline.sources.night import run_id_for
+        from pipeline.sources.plan import load_inbox_plan
 
         with not_transient():
             plan = load_inbox_plan(CONFIG_PATH)

@@ -230,7 +230,8 @@ def featurehouse_nightly():
     def plan(**context) -> list[dict]:
         from airflow.sdk import conf
 
-        from pipeline.sources.plan import chunks, load_plan, window_for, with_params
+        from pipeline.sources.night import chunks, window_for
+        from pipeline.sources.plan import load_plan, with_params
 
         base_url, _ = _neuronpedia()
         with not_transient():
@@ -247,7 +248,7 @@ def featurehouse_nightly():
           retry_delay=timedelta(seconds=_setting("fetch", "task_retry_delay", 60.0, float, MAX_RETRY_DELAY)),
           max_active_tis_per_dagrun=4)
     def fetch(chunk: dict, **context) -> dict:
-        from pipeline.sources.plan import fetch_chunk
+        from pipeline.sources.night import fetch_chunk
 
         _, api_key = _neuronpedia()  # read here, never passed through XCom
         with not_transient():
@@ -260,7 +261,7 @@ def featurehouse_nightly():
     def units(chunks: list[dict]) -> list[dict]:
         from airflow.sdk import conf
 
-        from pipeline.sources.plan import ingest_units
+        from pipeline.sources.night import ingest_units
 
         with not_transient():
             return ingest_units(chunks, max_map_length=conf.getint("core", "max_map_length"))
@@ -271,7 +272,7 @@ def featurehouse_nightly():
     @task(pool="warehouse_writer", outlets=RAW)
     def ingest(unit: dict, **context) -> dict:
         from pipeline.sources.fetch import ingest_unit
-        from pipeline.sources.plan import run_id_for, settings_of
+        from pipeline.sources.night import run_id_for, settings_of
 
         with not_transient():
             return ingest_unit(unit, settings_of(unit), run_id=run_id_for(run_key(context), DAG_ID)).as_dict()
@@ -284,7 +285,7 @@ def featurehouse_nightly():
         from airflow.sdk.exceptions import AirflowSkipException
 
         from pipeline.sources.fetch import finish_fetched
-        from pipeline.sources.plan import run_id_for, settings_of, window_for
+        from pipeline.sources.night import run_id_for, settings_of, window_for
 
         warehouse = _warehouse(context)
         if warehouse is None:
@@ -296,7 +297,7 @@ def featurehouse_nightly():
 
     @task(pool="warehouse_writer", outlets=STATS)
     def materialise(**context) -> dict:
-        from pipeline.sources.plan import run_id_for
+        from pipeline.sources.night import run_id_for
         from pipeline.stages.materialise import refresh_run
 
         with not_transient():
@@ -305,7 +306,7 @@ def featurehouse_nightly():
     @task
     def find_index(**context) -> dict:
         from pipeline.outputs.find import refresh_index
-        from pipeline.sources.plan import settings_of
+        from pipeline.sources.night import settings_of
 
         with not_transient():  # after the load's snapshots, before maintain may expire them
             return refresh_index(settings_of({"warehouse": _warehouse(context)})).as_dict()
@@ -315,7 +316,7 @@ def featurehouse_nightly():
     def report(**context) -> dict:
         from pipeline.outputs.report import report_run
         from pipeline.sources.fetch import judge_run
-        from pipeline.sources.plan import run_id_for
+        from pipeline.sources.night import run_id_for
 
         warehouse, run_id = _warehouse(context), run_id_for(run_key(context), DAG_ID)
         with not_transient():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.sources.inbox import DONE_DIR, pending_files
-from pipeline.sources.plan import run_id_for, window_for
+from pipeline.sources.night import run_id_for, window_for
 from tests.airflow_helpers import (
     REPO,
     airflow,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.sources import budget, plan
+from pipeline.sources import budget, night, plan
 from tests.fake_neuronpedia import FakeNeuronpedia
 from tests.fetch_support import MODEL, SOURCE, pages, settings_in
 
@@ -63,6 +63,6 @@ def test_the_plan_gives_each_fetch_task_the_whole_shared_budget(tmp_path):
     cfg.write_text(f'[fetch]\nrequests_per_hour = 20000\n[[sources]]\nmodel = "{MODEL}"\nsource = "{SOURCE}"\n'
                    'indices = ["0:100"]\n')
     shared = plan.load_plan(cfg, env={"FEATUREHOUSE_API_SLOTS": "4"})
-    assert {c["requests_per_hour"] for c in plan.chunks(shared, "w")} == {20000}
+    assert {c["requests_per_hour"] for c in night.chunks(shared, "w")} == {20000}
     alone = plan.load_plan(cfg, env={"FEATUREHOUSE_API_SLOTS": "4", "FEATUREHOUSE_FETCH_BUDGET": "off"})
-    assert {c["requests_per_hour"] for c in plan.chunks(alone, "w")} == {5000}
+    assert {c["requests_per_hour"] for c in night.chunks(alone, "w")} == {5000}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.sources.fetch import ingest_fetched
-from pipeline.sources.plan import FetchChunkFailed, fetch_chunk, too_many_failed
+from pipeline.sources.night import FetchChunkFailed, fetch_chunk, too_many_failed
 from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
 from tests.fetch_support import MODEL, SOURCE, pages, query, settings_in
 

@@ -102,7 +102,6 @@ KNOWN_LONG = {
     "cli.py": "every command with its options and messages (find and fetch in sections): not split yet",
     "ingest.py": "the run orchestrator, chaining every stage over bounded batches: not split yet",
     "sources/fetch.py": "the fetch loop, whether a source exists, ingesting what a window landed: not split yet",
-    "sources/plan.py": "featurehouse.toml checked against its schema, the plan and its chunks: not split yet",
     "stages/parse.py": "every input shape (API JSON, flight text, HTML, export lines) and field coercion: not split yet",
     "stages/validate.py": "the validate stage and its Great Expectations context: not split yet",
 }

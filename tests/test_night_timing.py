@@ -16,7 +16,7 @@ from pipeline.cli import cli
 from pipeline.lake.warehouse import utcnow
 from pipeline.outputs.report import recent_runs
 from pipeline.sources.fetch import finish_fetched, ingest_unit, manifest_path, read_manifest
-from pipeline.sources.plan import fetch_chunk, ingest_units
+from pipeline.sources.night import fetch_chunk, ingest_units
 from tests.conftest import open_warehouse
 from tests.fake_neuronpedia import FakeNeuronpedia, feature_path
 from tests.fetch_support import MODEL, SOURCE, pages, query, settings_in

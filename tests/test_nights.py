@@ -18,7 +18,7 @@ import pytest
 from pipeline.config import Settings
 from pipeline.outputs.report import recent_runs
 from pipeline.sources.fetch import finish_fetched, ingest_unit
-from pipeline.sources.plan import FetchChunkFailed, fetch_chunk, ingest_units
+from pipeline.sources.night import FetchChunkFailed, fetch_chunk, ingest_units
 from tests.conftest import open_warehouse
 from tests.fake_neuronpedia import FakeNeuronpedia
 from tests.fetch_support import MODEL, SOURCE, pages, query

@@ -10,14 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.sources.plan import (
-    DEFAULT_CONFIG,
-    ConfigError,
-    chunks,
-    load_plan,
-    run_id_for,
-    window_for,
-)
+from pipeline.sources.night import chunks, run_id_for, window_for
+from pipeline.sources.plan import DEFAULT_CONFIG, ConfigError, load_plan
 from tests.conftest import open_warehouse
 
 
@@ -205,7 +199,7 @@ def test_fetch_chunk_lands_each_kind_of_chunk_from_a_real_server(tmp_path):
     """The dispatcher the nightly DAG's mapped task calls: API ranges, all features, exports."""
     from pipeline.config import Settings
     from pipeline.sources.fetch import ingest_fetched
-    from pipeline.sources.plan import fetch_chunk
+    from pipeline.sources.night import fetch_chunk
     from tests.fake_neuronpedia import MODEL, SOURCE, FakeNeuronpedia, feature_path, small_pages
 
     settings = Settings(warehouse=tmp_path / "wh" / "f.duckdb")

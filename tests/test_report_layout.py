@@ -24,7 +24,7 @@ from pipeline import Settings, ingest
 from pipeline.outputs import find
 from pipeline.outputs.report import write_report
 from pipeline.sources.fetch import ingest_fetched
-from pipeline.sources.plan import fetch_chunk
+from pipeline.sources.night import fetch_chunk
 from tests.conftest import good_page, query, write
 from tests.fake_neuronpedia import MODEL, SOURCE, FakeNeuronpedia, feature_path, small_pages
 

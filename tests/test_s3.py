@@ -29,7 +29,7 @@ from pipeline.sources.fetch import (
     ingest_fetched,
     ingest_unit,
 )
-from pipeline.sources.plan import ingest_units
+from pipeline.sources.night import ingest_units
 from pipeline.stages.land import land
 from pipeline.stages.materialise import refresh_run
 from pipeline.stages.receive import Input

@@ -754,7 +754,7 @@ def _record_failures(conn, settings: Settings, window: str, run_id: str, failure
 
 
 def in_unit(entry: dict[str, Any], unit: dict[str, Any]) -> bool:
-    """Whether a manifest entry belongs to an ingest unit (see :func:`pipeline.sources.plan.ingest_units`):
+    """Whether a manifest entry belongs to an ingest unit (see :func:`pipeline.sources.night.ingest_units`):
     the unit's export files by key, or its source's pages in its index range (or all of them)."""
     if "keys" in unit:
         return entry.get("key") in unit["keys"]
