@@ -253,7 +253,7 @@ _BEGAN: contextvars.ContextVar[datetime | None] = contextvars.ContextVar("featur
 def began_at(when: datetime | None):
     """Within the block, a part of a shared run that makes the run's row (the first part)
     records ``when`` (naive UTC) as the run's ``started_at``, not its own start: a night's run
-    began when its first fetch did (``pipeline.sources.fetch.ingest_unit``). None changes nothing."""
+    began when its first fetch did (``pipeline.sources.fetched.ingest_unit``). None changes nothing."""
     token = _BEGAN.set(when)
     try:
         yield
@@ -327,7 +327,7 @@ def finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
                               extra={"run_id": summary.run_id}, stats=summary.stats)
         return
     # A part only adds its counts: the run's status is decided once all parts are done
-    # (pipeline.sources.fetch.finish_fetched).
+    # (pipeline.sources.fetched.finish_fetched).
     summary.written = warehouse.transaction(
         conn, settings, part_body, message=f"run {summary.run_id} part c{summary.part} {summary.status}",
         extra={"run_id": summary.run_id, "part": summary.part}, stats=summary.stats)

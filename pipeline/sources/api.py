@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import quote, urlparse
 
 import orjson
 import requests
@@ -341,3 +341,5 @@ def require_json(body: bytes) -> None:
         raise IncompleteTransfer(f"body of {len(body):,} bytes is not complete JSON ({exc})") from None
 
 
+def _feature_url(base_url: str, model: str, source: str, index: int) -> str:
+    return f"{base_url.rstrip('/')}/api/feature/{quote(model, safe='')}/{quote(source, safe='')}/{index}"
