@@ -560,11 +560,11 @@ def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage)
 def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(tmp_path, monkeypatch):
     """Lines the Python road finds no records (a bad index) count toward the limit on the gzip
     road as on the plain road, and so do lines that are no JSON (the plain road skipped its count)."""
-    from pipeline.stages import export_road, parse, stage
+    from pipeline.stages import export_parse, export_road, stage
 
     monkeypatch.setattr(stage, "MAX_BAD_LINES", 3)  # as ingest looks it up
     monkeypatch.setattr(export_road, "MAX_BAD_LINES", 3)
-    monkeypatch.setattr(parse, "MAX_BAD_LINES", 3)
+    monkeypatch.setattr(export_parse, "MAX_BAD_LINES", 3)  # the Python road's count
     objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
     key, lines = _activation_lines(objects)
     for i in (1, 3, 5):

@@ -101,7 +101,6 @@ MAX_LINES = 600
 KNOWN_LONG = {
     "cli.py": "every command with its options and messages (find and fetch in sections): not split yet",
     "ingest.py": "the run orchestrator, chaining every stage over bounded batches: not split yet",
-    "stages/parse.py": "every input shape (API JSON, flight text, HTML, export lines) and field coercion: not split yet",
     "stages/validate.py": "the validate stage and its Great Expectations context: not split yet",
 }
 

@@ -99,7 +99,7 @@ def _typed(fields: dict[str, str]) -> tuple[tuple[str, ...], ...]:
 _ACTIVATION_TYPED = _typed(_ACTIVATION_FIELDS)
 _EXPLANATION_TYPED = _typed(_EXPLANATION_FIELDS)
 _PAGE_TYPED = _typed({k: t for k, t in _PAGE_COLUMNS.items() if k not in ("activations", "explanations")})
-_INDEX_TEXT = re.compile(r"-?[0-9]+")  # parse._DIGITS: an integer written as text
+_INDEX_TEXT = re.compile(r"-?[0-9]+")  # coerce._DIGITS: an integer written as text
 
 
 def _exact_fields(obj: Any, typed: tuple[tuple[str, ...], ...], keys: Any = None) -> bool:
@@ -107,7 +107,7 @@ def _exact_fields(obj: Any, typed: tuple[tuple[str, ...], ...], keys: Any = None
     them. read_json casts where Python does not: ``"2.5"`` and ``true`` to 2.5 and 1.0 in a
     DOUBLE or a DOUBLE[], ``3.7`` to 4 in an INTEGER, and its cast of an ``index`` written as
     text takes ``"2_004"``, ``" 12"`` and ``"1904.0"``; each of these is a value that is not a
-    number (``parse._num``, ``parse._int``) to the Python road, which quarantines its record.
+    number (``coerce._num``, ``coerce._int``) to the Python road, which quarantines its record.
 
     Only the fields the object holds are looked up (``keys``, its keys, if the caller has them):
     a simdjson object's ``get`` of a key it lacks costs ~5 µs (an exception inside), ten times a
@@ -144,7 +144,7 @@ def _ts(expr: str) -> str:
     """SQL reading an ISO timestamp string as a UTC ``TIMESTAMP``, whatever the session's TimeZone.
 
     With an offset (or ``Z``) the instant is converted to UTC; without one the time is UTC
-    already, as the Python road (``parse._ts``) reads it. A cast to TIMESTAMPTZ alone would
+    already, as the Python road (``coerce._ts``) reads it. A cast to TIMESTAMPTZ alone would
     read a zoneless time in the session's (the machine's) zone, and a cast to TIMESTAMP alone
     would drop an offset.
     """
@@ -175,7 +175,7 @@ _EXPORT_TYPED = {table: _typed(fields) for table, fields in _EXPORT_COLUMNS.item
 def _extra_sql(a: str, listed: tuple[str, ...], unlisted: list[str] = ()) -> str:
     """SQL for ``a``'s ``extra``: its ``listed`` fields (null when absent), then the ``unlisted``
     ones (fields of an export file the typed read does not know, read as JSON) that are not
-    null, by name: as ``parse._extra`` builds it on the Python road."""
+    null, by name: as ``coerce._extra`` builds it on the Python road."""
     listed_sql = "json_object(" + ", ".join(f"'{f}', {a}.\"{f}\"" for f in listed) + ")"
     lit, ident = (lambda f: f.replace("'", "''")), (lambda f: f.replace('"', '""'))
     if not unlisted:
@@ -210,7 +210,7 @@ _EMBEDDING_NUMERIC = f"""
          ELSE coalesce(regexp_full_match(_emb_text, '{_NUMBER_LIST}') AND list_count(_emb_nums) = len(_emb_nums)
                        AND len(list_filter(_emb_nums, x -> NOT isfinite(x))) = 0, false) END"""
 #: ... then ``embedding`` and ``embedding_dim`` (how many values it holds), as
-#: ``parse._embedding`` gives them on the Python road; the suite quarantines a bad one.
+#: ``coerce._embedding`` gives them on the Python road; the suite quarantines a bad one.
 _EMBEDDING_COLUMNS = """
     CASE WHEN embedding_numeric THEN _emb_nums END AS embedding,
     CAST(CASE WHEN embedding_numeric THEN len(_emb_nums)
@@ -318,7 +318,7 @@ def _fast_select(table: str) -> str:
                    input_sha256, (_page << 20) + pos AS _row
             FROM (
                 -- an explanation takes its page's key only when that is a feature's, as
-                -- parse._add_page: under a page with index -5 it is quarantined too
+                -- page_check._add_page: under a page with index -5 it is quarantined too
                 SELECT p.input_sha256, p._page, p.modelId AS page_model, p.layer AS page_layer,
                        CASE WHEN CAST(p."index" AS BIGINT) >= 0 THEN CAST(p."index" AS BIGINT) END AS page_index,
                        unnest(p.explanations) AS e, generate_subscripts(p.explanations, 1) AS pos

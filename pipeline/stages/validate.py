@@ -187,7 +187,7 @@ def _gx():
 
 def _set_up_gx():
     # first, under the lock parse's page check takes: Great Expectations imports it through
-    # Altair, maybe while the main thread checks the first pages (see parse._JSONSCHEMA_IMPORT)
+    # Altair, maybe while the main thread checks the first pages (see page_check._JSONSCHEMA_IMPORT)
     parse.import_jsonschema()
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     _defer_unused_imports()
