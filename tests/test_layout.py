@@ -100,7 +100,6 @@ MAX_LINES = 600
 #: joins it: a new long module says why in its docstring.
 KNOWN_LONG = {
     "ingest.py": "the run orchestrator, chaining every stage over bounded batches: not split yet",
-    "stages/validate.py": "the validate stage and its Great Expectations context: not split yet",
 }
 
 

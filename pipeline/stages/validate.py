@@ -8,35 +8,47 @@ readable detail taken from the expectation's ``meta.detail`` template.
 
 DuckDB judges the suites in SQL with Great Expectations' semantics (``sql_judge``); Great
 Expectations itself judges only a suite with an expectation type DuckDB does not evaluate (in an
-ephemeral context: ``batch.validate``). Either way the results are recorded in the warehouse's
-file data context (``gx/``), where each table has a validation definition and a checkpoint
-(``featurehouse-<table>``), as that checkpoint records a run's, and its Data Docs are built from
-them. ``frame_for`` gives a batch's check columns as a pandas frame, for a Great Expectations
+ephemeral context: ``batch.validate``; Great Expectations in the process: ``gx_setup``). Either
+way the results are recorded in the warehouse's file data context (``gx/``), where each table has
+a validation definition and a checkpoint (``featurehouse-<table>``), as that checkpoint records a
+run's, and its Data Docs are built from them (``gx_project``). ``frame_for`` gives a batch's check columns as a pandas frame, for a Great Expectations
 user to run the checkpoint again (docs/report.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import functools
-import gc
 import json
 import logging
 import math
-import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from glob import escape as glob_escape
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import duckdb
 
-from ..config import SCHEMAS_DIR
 from . import parse
+from .gx_project import (  # noqa: F401  (what was recorded here: other code reaches it as validate.X)
+    _file_context,
+    _pages_missing,
+    _pending_runs,
+    _set_up_project,
+    _shape,
+    build_data_docs,
+    checkpoint_name,
+    has_pending,
+    store_pending,
+    store_results,
+)
+from .gx_setup import (  # noqa: F401
+    _GX_LOCK,
+    _GX_USE,
+    BATCH_DEFINITION,
+    SUITES,
+    SuiteError,
+    _gx,
+    heavy_imports,
+    load_suite,
+)
 from .materialise import EXCERPT, excerpt_columns
 
 log = logging.getLogger(__name__)
@@ -45,9 +57,6 @@ __all__ = [
     "SUITES", "SuiteError", "ValidationOutcome", "validate_batch", "load_suite",
     "store_results", "build_data_docs", "frame_for", "checkpoint_name",
 ]
-
-#: table name → record kind; one suite per table.
-SUITES = {"features": "feature", "activations": "activation", "explanations": "explanation"}
 
 # Scalar check columns derived from each staged table; the suites refer to these names.
 # ``input_key`` names a record's input (a hash of its digest, small in the frame): an id is
@@ -97,129 +106,6 @@ _CHECK_SQL = {
 _ACTIVATION_CHECKS_AND_EXCERPTS = _CHECK_SQL["activations"].replace(
     "\n        FROM stage_activations", f",\n               {excerpt_columns('x_')}\n        FROM stage_activations")
 assert _ACTIVATION_CHECKS_AND_EXCERPTS != _CHECK_SQL["activations"]
-
-
-class SuiteError(ValueError):
-    "An expectation suite file is not valid."
-
-
-@functools.cache
-def load_suite(table: str) -> dict[str, Any]:
-    """The expectation suite for ``table``, as stored in ``schemas/expectations``."""
-    return json.loads((SCHEMAS_DIR / "expectations" / f"{table}.json").read_text())
-
-
-#: Modules Great Expectations imports at start-up for expectations featurehouse's suites do not
-#: use (``scipy.stats`` for the KL-divergence and KS-test ones): made lazy, they load on first
-#: use. Measured here: ``import great_expectations`` 4.6 s -> 3.4 s of CPU, in every process
-#: that validates (a CLI ingest, an Airflow task).
-_DEFERRED_IMPORTS = ("scipy.stats",)
-
-
-def _defer_unused_imports() -> None:
-    """Put a lazy module (``importlib.util.LazyLoader``) in ``sys.modules`` for each of
-    ``_DEFERRED_IMPORTS`` not imported yet: ``from scipy import stats`` then binds a module that
-    runs its code on first attribute access. Only a ``from package import module`` works this way
-    (a plain ``import package`` touches the module's spec, which loads it), hence scipy.stats
-    and not altair."""
-    import importlib.util
-    import sys
-
-    for name in _DEFERRED_IMPORTS:
-        if name in sys.modules:
-            continue
-        parent, _, child = name.rpartition(".")
-        try:
-            package = importlib.import_module(parent)
-            spec = importlib.util.find_spec(name)
-        except ImportError:
-            continue
-        if spec is None or spec.loader is None:
-            continue
-        spec.loader = importlib.util.LazyLoader(spec.loader)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        setattr(package, child, module)
-
-
-@contextlib.contextmanager
-def heavy_imports() -> Iterator[None]:
-    """Run a block of heavy imports (Great Expectations, Altair) with Python's cyclic garbage
-    collector paused, then freeze what it made (``gc.freeze``).
-
-    An import makes hundreds of thousands of objects that live as long as the process and are
-    never garbage: the collector's full passes, triggered again and again as they pile up, walk
-    them all for nothing, and every later full pass (and the interpreter's teardown) walks them
-    again. Measured on one new page: 0.67 s of the run's 5.7 s in collections, 0.49 s of it
-    in full passes. Frozen objects are left out of every later pass; the collector runs as
-    before for what the run itself makes. Blocks in several threads at once keep it paused
-    until the last ends; a collector the caller had switched off stays off.
-    """
-    global _gc_pausers, _gc_was_on
-    with _GC_PAUSE:
-        if _gc_pausers == 0:
-            _gc_was_on = gc.isenabled()
-            gc.disable()
-        _gc_pausers += 1
-    try:
-        yield
-    finally:
-        with _GC_PAUSE:
-            _gc_pausers -= 1
-            gc.freeze()
-            if _gc_pausers == 0 and _gc_was_on:
-                gc.enable()
-
-
-#: Blocks inside ``heavy_imports`` now, in any thread, and whether the collector was on before
-#: the first of them: the last one out switches it back on.
-_GC_PAUSE = threading.Lock()
-_gc_pausers = 0
-_gc_was_on = False
-
-
-@functools.lru_cache(maxsize=1)
-def _gx():
-    with heavy_imports():  # ~390,000 objects that live as long as the process
-        return _set_up_gx()
-
-
-def _set_up_gx():
-    # first, under the lock parse's page check takes: Great Expectations imports it through
-    # Altair, maybe while the main thread checks the first pages (see page_check._JSONSCHEMA_IMPORT)
-    parse.import_jsonschema()
-    os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
-    _defer_unused_imports()
-    import great_expectations as gx  # heavy: imported on first validation, not at import time
-    from great_expectations.data_context.types.base import ProgressBarsConfig
-
-    # Great Expectations logs routine set-up (its temporary docs folder) at INFO: not news.
-    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
-    context = gx.get_context(mode="ephemeral")
-    context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    source = context.data_sources.add_pandas("featurehouse")
-    batches = {}
-    suites = {}
-    for table in SUITES:
-        asset = source.add_dataframe_asset(table)
-        batches[table] = asset.add_batch_definition_whole_dataframe(BATCH_DEFINITION)
-        spec = load_suite(table)
-        suite = gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
-        if len(suite.expectations) != len(spec["expectations"]):
-            # Great Expectations logs and drops an expectation it cannot build; refuse instead.
-            raise SuiteError(
-                f"schemas/expectations/{table}.json: {len(spec['expectations']) - len(suite.expectations)} "
-                "expectation(s) are not valid Great Expectations configurations"
-            )
-        suites[table] = suite
-    return batches, suites
-
-
-_GX_LOCK = threading.Lock()
-_GX_USE = threading.RLock()
-"""Held while Great Expectations validates or stores results: ingest stores a batch's results
-in a thread (beside DuckDB's load of it), and the two never run Great Expectations at once."""
 
 
 def warm_up() -> None:
@@ -448,203 +334,6 @@ def _gx_judge(frames: dict[str, Any], outcome: ValidationOutcome) -> None:
                     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Great Expectations' file data context under ``<warehouse dir>/gx/``: what a Great Expectations
-# user finds there, and where each batch's results are recorded for the Data Docs. Per table:
-# the suite; a pandas data source ``featurehouse`` with a dataframe asset named after the table
-# and its whole-dataframe batch definition; a validation definition (the suite on that batch
-# definition) and a checkpoint ``featurehouse-<table>`` over it, whose action updates the Data
-# Docs. One checkpoint per table: a checkpoint's batch parameters go to every validation
-# definition it holds, and each table's suite judges its own frame. Featurehouse's own judging
-# runs in DuckDB (``sql_judge``) or in the ephemeral context above; its results are recorded
-# here as the checkpoint's run would record them (the same keys' shape, its validation
-# definition's and checkpoint's ids in their meta), and their Data Docs pages built with them.
-
-_PARTIAL = 20  # unexpected values and row indices kept per expectation in the stored results
-
-#: The pandas data source of the file data context; each table's dataframe asset is in it.
-DATA_SOURCE = "featurehouse"
-#: Each asset's batch definition (the whole dataframe a run is given).
-BATCH_DEFINITION = "whole"
-#: The result format of the checkpoints: every failing record, named by its ``record_key``.
-CHECKPOINT_RESULT_FORMAT = {"result_format": "COMPLETE", "unexpected_index_column_names": ["record_key"]}
-#: The name of the checkpoints' action that updates the Data Docs.
-DATA_DOCS_ACTION = "update_data_docs"
-
-
-def checkpoint_name(table: str) -> str:
-    """The checkpoint that validates ``table``'s frame (see ``frame_for``): ``featurehouse-<table>``."""
-    return f"featurehouse-{table}"
-
-
-@dataclass(frozen=True)
-class _Project:
-    """A file data context and, per table, the ids of its validation definition and checkpoint."""
-
-    context: Any
-    ids: dict[str, tuple[str, str]]
-
-
-@functools.lru_cache(maxsize=4)
-def _file_context(project_dir: str) -> _Project:
-    """The file data context in ``project_dir`` (its ``gx/`` folder), with every table's suite,
-    data asset, batch definition, validation definition and checkpoint in it: made the first
-    time, brought up to date with ``schemas/expectations`` when a suite changed there, found as
-    they are afterwards. Under a lock file (``gx/uncommitted/featurehouse-setup.lock``): two
-    processes setting up one warehouse at once do not both add an object (Great Expectations
-    refuses the second: "Store already has the following key"), and none reads the context's
-    configuration half written."""
-    import fcntl
-
-    _gx()  # sets up Great Expectations (analytics off) once per process
-    lock_dir = Path(project_dir) / "gx" / "uncommitted"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    with open(lock_dir / "featurehouse-setup.lock", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        try:
-            return _set_up_project(project_dir)
-        finally:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-
-
-def _set_up_project(project_dir: str) -> _Project:
-    import great_expectations as gx
-    from great_expectations.checkpoint import UpdateDataDocsAction
-    from great_expectations.exceptions import DataContextError
-
-    context = gx.get_context(mode="file", project_root_dir=project_dir)
-    try:
-        source = context.data_sources.get(DATA_SOURCE)
-    except KeyError:
-        source = context.data_sources.add_pandas(DATA_SOURCE)
-    ids = {}
-    for table in SUITES:
-        spec = load_suite(table)
-        wanted = gx.ExpectationSuite(name=spec["name"], expectations=spec["expectations"], meta=spec.get("meta", {}))
-        try:
-            suite = context.suites.get(spec["name"])
-        except DataContextError:
-            suite = context.suites.add(wanted)
-        else:
-            if _shape(suite) != _shape(wanted) or any(suite.meta.get(k) != v for k, v in wanted.meta.items()):
-                suite = context.suites.add_or_update(wanted)  # the suite changed in schemas/
-        try:
-            asset = source.get_asset(table)
-        except LookupError:
-            asset = source.add_dataframe_asset(table)
-        try:
-            batch = asset.get_batch_definition(BATCH_DEFINITION)
-        except KeyError:
-            batch = asset.add_batch_definition_whole_dataframe(BATCH_DEFINITION)
-        try:
-            definition = context.validation_definitions.get(table)
-            if definition.suite.name != suite.name or definition.data.name != batch.name \
-                    or definition.asset.name != table:
-                raise DataContextError("another validation definition")
-        except DataContextError:
-            definition = context.validation_definitions.add_or_update(
-                gx.ValidationDefinition(name=table, data=batch, suite=suite))
-        name = checkpoint_name(table)
-        try:
-            checkpoint = context.checkpoints.get(name)
-            if [d.name for d in checkpoint.validation_definitions] != [definition.name] \
-                    or not any(isinstance(a, UpdateDataDocsAction) for a in checkpoint.actions) \
-                    or checkpoint.result_format != CHECKPOINT_RESULT_FORMAT:
-                raise DataContextError("another checkpoint")
-        except DataContextError:
-            checkpoint = context.checkpoints.add_or_update(gx.Checkpoint(
-                name=name, validation_definitions=[definition],
-                actions=[UpdateDataDocsAction(name=DATA_DOCS_ACTION)], result_format=CHECKPOINT_RESULT_FORMAT))
-        ids[table] = (definition.id, checkpoint.id)
-    return _Project(context, ids)
-
-
-def _shape(suite: Any) -> list[tuple[str, dict, dict]]:
-    """A suite's expectations as type, arguments and meta (not their ids, which a store gives)."""
-    return [(c.type, c.kwargs, c.meta) for c in (e.configuration for e in suite.expectations)]
-
-
-def _trim(result: Any) -> Any:
-    """Cap the per-row lists a COMPLETE result carries, so stored results stay small."""
-    for r in result.results:
-        info = r.result or {}
-        for key in ("unexpected_list", "unexpected_index_list"):
-            if isinstance(info.get(key), list) and len(info[key]) > _PARTIAL:
-                info[key] = info[key][:_PARTIAL]
-    return result
-
-
-def store_results(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
-                  outcome: ValidationOutcome, pages: bool = False) -> int:
-    """Record one batch's results in the file data context in ``project_dir``, as its table's
-    checkpoint (``featurehouse-<table>``) records a run's.
-
-    Results are keyed by suite, run name ``run_id``, the batch's time and ``batch-<n>-<table>``,
-    which is how ``build_data_docs`` finds a run's pages; their meta names the validation
-    definition and checkpoint (their ids), the data source and asset, as a run of the checkpoint
-    has it. Trims the stored per-row lists to 20 entries. With ``pages``, also builds the
-    batch's Data Docs pages (not the site's index), so that the run's report has only the index
-    left to build. Returns how many results were written.
-    """
-    with _GX_USE:
-        return _store(project_dir, run_id, batch_no, validated_at, outcome, pages)
-
-
-def _as_checkpoint_ran(result: Any, project: _Project, table: str, run: Any, validated_at: Any) -> Any:
-    """``result`` with the meta a run of the table's checkpoint gives its result
-    (``ValidationDefinition.run``, ``Checkpoint.run``)."""
-    validation_id, checkpoint_id = project.ids[table]
-    result.meta.update({
-        "active_batch_definition": {"datasource_name": DATA_SOURCE, "data_connector_name": "fluent",
-                                    "data_asset_name": table, "batch_identifiers": {"dataframe": "<DATAFRAME>"}},
-        "validation_id": validation_id,
-        "checkpoint_id": checkpoint_id,
-        "run_id": run,  # shown as the run's name and time on the Data Docs page
-        "validation_time": validated_at,
-        "batch_parameters": {"dataframe": "<DATAFRAME>"},
-    })
-    return result
-
-
-def _store(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
-           outcome: ValidationOutcome, pages: bool = False) -> int:
-    if not outcome.gx_results:  # nothing was judged: no Great Expectations to import for it
-        return 0
-    from great_expectations.core.run_identifier import RunIdentifier
-    from great_expectations.data_context.types.resource_identifiers import (
-        ExpectationSuiteIdentifier,
-        ValidationResultIdentifier,
-    )
-
-    project = _file_context(str(project_dir))
-    context = project.context
-    if getattr(validated_at, "tzinfo", True) is None:  # our timestamps are naive UTC
-        validated_at = validated_at.replace(tzinfo=datetime.timezone.utc)
-    run = RunIdentifier(run_name=run_id, run_time=validated_at)
-    keys = []
-    for table, result in outcome.gx_results.items():
-        if isinstance(result, dict):  # judged by DuckDB (sql_judge): Great Expectations records it
-            from .sql_judge import to_great_expectations
-
-            result = to_great_expectations(result)
-        suite = ExpectationSuiteIdentifier(name=result.suite_name)
-        key = ValidationResultIdentifier(expectation_suite_identifier=suite, run_id=run,
-                                         batch_identifier=f"batch-{batch_no:04d}-{table}")
-        context.validation_results_store.store_validation_results(
-            _trim(_as_checkpoint_ran(result, project, table, run, validated_at)), key, suite)
-        keys.append(key)
-    if pages:
-        # the pages the checkpoint's action (UpdateDataDocsAction) builds, without the site's
-        # index, which it rebuilds from every result stored, of every run (see build_data_docs)
-        context.build_data_docs(resource_identifiers=keys, build_index=False)
-    return len(outcome.gx_results)
-
-
-#: Where results judged by DuckDB wait, as JSON, for Great Expectations to record them when the
-#: run's Data Docs are built (``Settings.data_docs = "report"``): under the results store's folder.
-_PENDING = Path("gx") / "uncommitted" / "featurehouse-pending"
-
-
 def needs_great_expectations(data_docs: str) -> bool:
     """Whether an ingest imports Great Expectations: to judge (a suite DuckDB cannot judge, or
     ``JUDGE = "gx"``), or to record results and build Data Docs with the run (``data_docs="run"``)."""
@@ -652,149 +341,3 @@ def needs_great_expectations(data_docs: str) -> bool:
 
     return data_docs != "report" or JUDGE != "duckdb" or not all(
         sql_judge.can_judge(load_suite(t)) for t in SUITES)
-
-
-def store_pending(project_dir: Path | str, run_id: str, batch_no: int, validated_at: Any,
-                  outcome: ValidationOutcome) -> int | None:
-    """Keep one batch's results, judged by DuckDB, as JSON until the run's Data Docs are built
-    (``build_data_docs`` has Great Expectations record them then); no Great Expectations here.
-    Returns how many tables' results were kept, or None when a table was judged by Great
-    Expectations (its result is an object of Great Expectations: ``store_results`` stores it)."""
-    if not all(isinstance(r, dict) for r in outcome.gx_results.values()):
-        return None
-    folder = Path(project_dir) / _PENDING / run_id
-    for table, record in outcome.gx_results.items():
-        path = folder / f"batch-{batch_no:04d}-{table}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
-        text = json.dumps({"batch_no": batch_no, "validated_at": validated_at.isoformat(),
-                           "table": table, "record": record}, default=str)
-        for attempt in (1, 2, 3):
-            # a report recording this run's waiting results meanwhile removes the folder when
-            # it has emptied it (_record_pending): made again, the file written again
-            folder.mkdir(parents=True, exist_ok=True)
-            try:
-                tmp.write_text(text)
-                os.replace(tmp, path)
-                break
-            except FileNotFoundError:
-                if attempt == 3:
-                    raise
-    return len(outcome.gx_results)
-
-
-def _record_pending(project_dir: Path | str, run_id: str) -> int:
-    """Have Great Expectations record the run's results kept by ``store_pending``; returns how
-    many batches' were recorded. Each file is removed once its results are stored."""
-    folder = Path(project_dir) / _PENDING / run_id
-    files = sorted(folder.glob("batch-*.json")) if folder.is_dir() else []
-    done = 0
-    for path in files:
-        try:
-            kept = json.loads(path.read_text())
-            outcome = ValidationOutcome(gx_results={kept["table"]: kept["record"]})
-            batch_no, at = int(kept["batch_no"]), datetime.datetime.fromisoformat(kept["validated_at"])
-        except FileNotFoundError:
-            continue  # another report recorded it meanwhile (recording it twice stores one result)
-        except (ValueError, KeyError, TypeError) as exc:
-            # damaged (a full disk, a hand): set aside, so it stops no other result's recording
-            aside = path.with_name(path.name + ".broken")
-            with contextlib.suppress(OSError):
-                os.replace(path, aside)
-            log.warning("a waiting Great Expectations result could not be read (%s: %s); set aside as %s",
-                        type(exc).__name__, exc, aside)
-            continue
-        _store(project_dir, run_id, batch_no, at, outcome)
-        path.unlink(missing_ok=True)
-        done += 1
-    if files:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-    return done
-
-
-def _pending_runs(project_dir: Path | str) -> list[str]:
-    """The runs whose results wait for Great Expectations to record them (``store_pending``)."""
-    folder = Path(project_dir) / _PENDING
-    return sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-
-
-def has_pending(project_dir: Path | str, run_id: str) -> bool:
-    """Whether the run has results waiting for its Data Docs (see ``store_pending``)."""
-    folder = Path(project_dir) / _PENDING / run_id
-    return folder.is_dir() and any(folder.glob("batch-*.json"))
-
-
-def _pages_missing(base: Path, site: Path) -> bool:
-    """Whether a result stored has no Data Docs page (a report killed between the two): read
-    off the folders, without Great Expectations."""
-    return any(not (site / p.relative_to(base).with_suffix(".html")).exists()
-               for p in base.glob("validations/*/*/*/*.json"))
-
-
-def _no_page(like):
-    """A validation result key no stored result has (``like``'s, in a batch no run names)."""
-    from great_expectations.data_context.types.resource_identifiers import (
-        ValidationResultIdentifier,
-    )
-
-    return ValidationResultIdentifier(expectation_suite_identifier=like.expectation_suite_identifier,
-                                      run_id=like.run_id, batch_identifier="featurehouse-index-only")
-
-
-def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True) -> list[Path]:
-    """Build the Great Expectations Data Docs pages for one run's stored results.
-
-    Returns the run's validation pages (one per suite and batch, sorted); the site's index is
-    ``<project_dir>/gx/uncommitted/data_docs/local_site/index.html``. Returns an empty list
-    when the run stored no results.
-
-    Pages built as their batches were stored (``store_results(pages=True)``) are not built
-    again. ``index``: rebuild the site's index, which Great Expectations does from every result
-    stored, of every run (~5 ms each, measured: 0.55 s of a one-page run with 99 stored, and
-    an inbox run every few minutes stores ~3 more). Without it (a run's own report, written by
-    ``ingest``) the index is built only when the site has none; ``featurehouse report`` and the
-    nightly DAG's report task refresh it. Results waiting as JSON (``store_pending``) are
-    recorded first: the run's, and with ``index`` every run's, with their pages, so that the
-    index lists every run (an inbox run's too, which no report command names).
-    """
-    # The results store is a folder per suite and run: when the run stored none (an unchanged
-    # re-run), there is nothing to build, and no reason to import Great Expectations (seconds).
-    base = Path(project_dir) / "gx" / "uncommitted"
-    # The index lists every result stored: refreshing it records every run's waiting results
-    # first (an inbox run's, which no report command named), and builds their pages below.
-    waiting = [r for r in _pending_runs(project_dir) if r == run_id or index and has_pending(project_dir, r)]
-    if waiting:
-        with _GX_USE:
-            for run in waiting:
-                _record_pending(project_dir, run)
-    stored = sorted(base.glob(f"validations/*/{glob_escape(run_id)}/*/*.json"))
-    site = base / "data_docs" / "local_site"  # where _file_context's site writes
-    if not stored and not (index and (waiting or _pages_missing(base, site))):
-        return []
-    pages = [site / p.relative_to(base).with_suffix(".html") for p in stored]
-    if not index and (site / "index.html").exists() and all(p.exists() for p in pages):
-        return pages  # nothing to build: no Great Expectations, nothing read of other runs
-    with _GX_USE:
-        context = _file_context(str(project_dir)).context
-        every = context.validation_results_store.list_keys()
-        keys = [k for k in every if k.run_id.run_name == run_id]
-        # every other run's result whose page is missing (recorded above, or by a report killed
-        # before its pages were built): the index links them
-        others = [k for k in every if index and k.run_id.run_name != run_id]
-        if not keys and not others:
-            return []
-        root = Path(unquote(urlparse(context.build_data_docs(dry_run=True)["local_site"]).path)).parent
-
-        def page(k) -> Path:
-            suite, run_name, run_time, batch = k.to_tuple()
-            return root / "validations" / suite / run_name / run_time / f"{batch}.html"
-
-        missing = [k for k in keys + others if not page(k).exists()]
-        with_index = index or not (root / "index.html").exists()
-        if missing:
-            context.build_data_docs(resource_identifiers=missing, build_index=with_index)
-        elif with_index:
-            # Great Expectations takes no list as every page in the store: given a key no
-            # result has, it builds no page, then the index.
-            context.build_data_docs(resource_identifiers=[_no_page((keys or others)[0])])
-    return sorted(p for p in map(page, keys) if p.exists())
