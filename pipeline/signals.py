@@ -19,7 +19,7 @@ LOADING_COMMANDS = ("ingest", "fetch")
 #: lookup of a Python object named like a missing table, which walks frames with ``inspect``), it
 #: became an error the code expected, and the run went on to load and exit 0, the Ctrl-C lost
 #: (found by the signal test, about one run in ten on a loaded machine). The run stops at its next
-#: point that may (``ingest._stop_if_signalled``) when this holds one.
+#: point that may (``ingest.stopping._stop_if_signalled``) when this holds one.
 RAISED: list[int] = []
 
 

@@ -121,14 +121,14 @@ def refuse_python_road_for_gzip(setattr=setattr) -> None:
     """Make the Python parser (which holds an input whole) refuse gzip input, so that a test
     passes only on DuckDB's streaming road. ``setattr``: ``monkeypatch.setattr`` in this
     process; the plain one in a child process (``NO_PYTHON_ROAD``)."""
-    ingest_module = importlib.import_module("pipeline.ingest")  # `pipeline.ingest` is also the function
-    parse = ingest_module.parse_bytes
+    intake_module = importlib.import_module("pipeline.ingest.intake")  # where the run's intake looks it up
+    parse = intake_module.parse_bytes
 
     def guarded(data, *a, **kw):
         assert not data.startswith(b"\x1f\x8b"), "a gzip input took the Python road"
         return parse(data, *a, **kw)
 
-    setattr(ingest_module, "parse_bytes", guarded)
+    setattr(intake_module, "parse_bytes", guarded)
 
 
 #: The same in a child process (started in the project's folder), whatever the batch's size.

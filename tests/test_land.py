@@ -146,17 +146,17 @@ def test_streaming_land_cleans_up_when_the_source_cannot_be_read(tmp_path):
 # --- an unchanged re-run reads nothing: the input digests -------------------------------------
 
 def _reads(monkeypatch) -> list[str]:
-    """The origins of the inputs each run reads and hashes (pipeline.ingest's land, counted)."""
+    """The origins of the inputs each run reads and hashes (pipeline.ingest.intake's land, counted)."""
     import importlib
 
-    ingest_mod = importlib.import_module("pipeline.ingest")
-    read, real = [], ingest_mod.land
+    intake_mod = importlib.import_module("pipeline.ingest.intake")
+    read, real = [], intake_mod.land
 
     def counted(item, *a, **kw):
         read.append(item.origin)
         return real(item, *a, **kw)
 
-    monkeypatch.setattr(ingest_mod, "land", counted)
+    monkeypatch.setattr(intake_mod, "land", counted)
     return read
 
 

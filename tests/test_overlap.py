@@ -24,7 +24,9 @@ from pipeline.lake import warehouse as wh
 from tests.conftest import good_page, open_warehouse, query, run_ingest, write
 from tests.formats import to_api_json
 
-ingest_module = importlib.import_module("pipeline.ingest")  # `pipeline.ingest` is also the function
+# where the run looks them up: claim_captures in the chain (run), prewrite in the loader thread (loading)
+run_module = importlib.import_module("pipeline.ingest.run")
+loading_module = importlib.import_module("pipeline.ingest.loading")
 
 
 def _pages(folder, n: int) -> list:
@@ -39,7 +41,7 @@ def _hold_first_load(monkeypatch) -> dict:
     """Batch 1's load waits until batch 2 is staged (``claim_captures`` ran for it); says whether
     it came, and in which threads the loads and the staging ran."""
     seen = {"staged": threading.Event(), "came": None, "claims": 0, "load_threads": [], "stage_threads": []}
-    real_claim, real_prewrite = ingest_module.claim_captures, ingest_module.prewrite
+    real_claim, real_prewrite = run_module.claim_captures, loading_module.prewrite
 
     def claim(conn):
         out = real_claim(conn)
@@ -55,8 +57,8 @@ def _hold_first_load(monkeypatch) -> dict:
             seen["came"] = seen["staged"].wait(30)
         return real_prewrite(conn, *args, **kw)
 
-    monkeypatch.setattr(ingest_module, "claim_captures", claim)
-    monkeypatch.setattr(ingest_module, "prewrite", prewrite)
+    monkeypatch.setattr(run_module, "claim_captures", claim)
+    monkeypatch.setattr(loading_module, "prewrite", prewrite)
     return seen
 
 
@@ -100,7 +102,7 @@ def test_the_counts_stored_at_each_commit_are_those_of_the_batches_committed(tmp
 
 def test_a_load_that_fails_stops_the_run_before_any_later_batch_commits(tmp_path, monkeypatch):
     settings = _one_page_batches(tmp_path)
-    real_prewrite, calls = ingest_module.prewrite, []
+    real_prewrite, calls = loading_module.prewrite, []
 
     def prewrite(conn, *args, **kw):
         calls.append(threading.current_thread().name)
@@ -108,7 +110,7 @@ def test_a_load_that_fails_stops_the_run_before_any_later_batch_commits(tmp_path
             raise OSError("the data folder went away (test)")
         return real_prewrite(conn, *args, **kw)
 
-    monkeypatch.setattr(ingest_module, "prewrite", prewrite)
+    monkeypatch.setattr(loading_module, "prewrite", prewrite)
     with pytest.raises(OSError, match="went away") as err:
         run_ingest(_pages(tmp_path / "in", 5), settings)
     assert any("recorded as failed" in note for note in getattr(err.value, "__notes__", []))
@@ -179,7 +181,7 @@ def test_an_interrupt_while_a_batch_loads_waits_for_its_commit_then_records_the_
     recorded as failed only after that commit (both share a connection), and counts what it
     committed."""
     settings = _one_page_batches(tmp_path)
-    real_claim, real_prewrite, claims = ingest_module.claim_captures, ingest_module.prewrite, []
+    real_claim, real_prewrite, claims = run_module.claim_captures, loading_module.prewrite, []
     loading = threading.Event()
 
     def prewrite(conn, *args, **kw):
@@ -194,8 +196,8 @@ def test_an_interrupt_while_a_batch_loads_waits_for_its_commit_then_records_the_
             raise KeyboardInterrupt
         return real_claim(conn)
 
-    monkeypatch.setattr(ingest_module, "claim_captures", claim)
-    monkeypatch.setattr(ingest_module, "prewrite", prewrite)
+    monkeypatch.setattr(run_module, "claim_captures", claim)
+    monkeypatch.setattr(loading_module, "prewrite", prewrite)
     with pytest.raises(KeyboardInterrupt):
         run_ingest(_pages(tmp_path / "in", 4), settings)
     status, n_features = query(settings, "SELECT status, n_features FROM runs")[0]

@@ -330,8 +330,8 @@ def _spy_stats(monkeypatch, between=None) -> list:
 
     from pipeline.stages import materialise
 
-    ingest_module = importlib.import_module("pipeline.ingest")
-    prestats, refresh = ingest_module.prestats, materialise.refresh_changed
+    loading_module = importlib.import_module("pipeline.ingest.loading")  # the loader thread's work
+    prestats, refresh = loading_module.prestats, materialise.refresh_changed
     seen, loading = [], []  # every batch's record; those not committed yet (``between`` nests one)
 
     def spy_prestats(conn, prewritten):
@@ -347,7 +347,7 @@ def _spy_stats(monkeypatch, between=None) -> list:
             loading.pop().append("used" if kw.get("computed") else "computed in the lock")
         return refresh(conn, **kw)
 
-    monkeypatch.setattr(ingest_module, "prestats", spy_prestats)
+    monkeypatch.setattr(loading_module, "prestats", spy_prestats)
     monkeypatch.setattr(materialise, "refresh_changed", spy_refresh)
     return seen
 
@@ -386,14 +386,14 @@ def test_reference_rows_are_decided_before_the_lock_and_a_changed_one_replaces_t
 
     from pipeline.stages import load
 
-    ingest_module = importlib.import_module("pipeline.ingest")
+    loading_module = importlib.import_module("pipeline.ingest.loading")  # the loader thread's work
     calls, upsert = [], load.upsert_reference
 
     def spy(conn, table, now, *, decided=None):
         calls.append((table, decided))
         return upsert(conn, table, now, decided=decided)
 
-    monkeypatch.setattr(ingest_module, "upsert_reference", spy)
+    monkeypatch.setattr(loading_module, "upsert_reference", spy)
     settings = Settings(warehouse=tmp_path / "wh")
     run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
     page = good_page(8, source="race-src")
@@ -422,13 +422,13 @@ def test_a_commit_retried_on_a_busy_catalog_without_a_new_snapshot_loads_what_wa
     COMMIT fails and is retried against the same snapshot: the retry uses what was decided
     before the lock (a renamed model, new statistics) and loads it."""
     import importlib
-    ingest_module = importlib.import_module("pipeline.ingest")
+    loading_module = importlib.import_module("pipeline.ingest.loading")  # the loader thread's work
     settings = Settings(warehouse=tmp_path / "wh", commit_attempts=30)
     run_ingest([_page("v0", datetime(2025, 12, 1), tmp_path / "in0")], settings)
     path = _page("v1", datetime(2026, 1, 1), tmp_path / "in1", scale=2.0,
                  edit=lambda p: p["model"].update(displayName="renamed"))
 
-    write_counts, held = ingest_module.write_counts, []
+    write_counts, held = loading_module.write_counts, []
     # another process (SQLite's locks are a process's: one in this process would not block it)
     hold = ("import sqlite3, sys, time\n"
             "db = sqlite3.connect(sys.argv[1], isolation_level=None, timeout=0)\n"
@@ -441,7 +441,7 @@ def test_a_commit_retried_on_a_busy_catalog_without_a_new_snapshot_loads_what_wa
                                          stdout=subprocess.PIPE, text=True))
             assert held[0].stdout.readline() == "held\n"
 
-    monkeypatch.setattr(ingest_module, "write_counts", busy_after)
+    monkeypatch.setattr(loading_module, "write_counts", busy_after)
     summary = run_ingest([path], settings)
     held[0].communicate(timeout=60)
     assert summary.status == "succeeded", summary

@@ -375,9 +375,9 @@ def test_the_report_is_prepared_while_the_last_batch_writes_its_files(tmp_path, 
     from pipeline.outputs import report
     from pipeline.stages import validate
 
-    ingest_mod = importlib.import_module("pipeline.ingest")
+    loading_mod = importlib.import_module("pipeline.ingest.loading")  # where the loader looks prewrite up
     events: list[str] = []
-    real_prewrite, real_docs = ingest_mod.prewrite, validate.build_data_docs
+    real_prewrite, real_docs = loading_mod.prewrite, validate.build_data_docs
 
     def prewrite(*args, on_write=None, **kwargs):
         def noted():
@@ -390,7 +390,7 @@ def test_the_report_is_prepared_while_the_last_batch_writes_its_files(tmp_path, 
         events.append("data docs")
         return real_docs(*args, **kwargs)
 
-    monkeypatch.setattr(ingest_mod, "prewrite", prewrite)
+    monkeypatch.setattr(loading_mod, "prewrite", prewrite)
     monkeypatch.setattr(report, "warm_charts", lambda: events.append("charts"))
     monkeypatch.setattr(validate, "build_data_docs", docs)
     s = ingest([FIXTURES], _settings(tmp_path), progress=False)
