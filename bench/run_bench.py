@@ -99,9 +99,14 @@ def _run_child(argv: list[str], env: dict | None = None) -> dict:
 
 
 def _stages(run: dict) -> dict | None:
-    """Ours's seconds per stage, as `featurehouse ingest --format json` reports them (None from a
-    release that does not)."""
-    return (run.get("json") or {}).get("stage_seconds")
+    """Ours's seconds per stage, as `featurehouse ingest --format json` reports them, each with
+    the CPU seconds of the thread that ran it after a slash when reported (None from a release
+    that reports no stages)."""
+    out = run.get("json") or {}
+    wall, cpu = out.get("stage_seconds"), out.get("stage_cpu_seconds") or {}
+    if not wall:
+        return None
+    return {k: f"{v:.2f}s" + (f"/{cpu[k]:.2f} CPU-s" if k in cpu else "") for k, v in wall.items()}
 
 
 def _pairs(k: int, ours, floor) -> dict:
@@ -444,7 +449,8 @@ def _stage_text(res: dict) -> str:
     stages = res.get("stages")
     if not stages:
         return ""
-    return "\n        stages: " + ", ".join(f"{k} {v:.2f}s" for k, v in stages.items())
+    return "\n        stages: " + ", ".join(f"{k} {v}" if isinstance(v, str) else f"{k} {v:.2f}s"
+                                          for k, v in stages.items())
 
 
 def _met(ok: bool) -> str:

@@ -80,6 +80,10 @@ def test_fetch_features_seconds_cover_every_stage_and_match_status(tmp_path):
     stages = summary["stage_seconds"]
     # one after another (``stats`` is inside ``commit``): together, no longer than the run
     assert summary["seconds"] >= sum(v for k, v in stages.items() if k != "stats"), summary
+    # and the CPU of the thread that ran each: as many stages, none more than its wall on one core
+    cpu = summary["stage_cpu_seconds"]
+    assert cpu.keys() == stages.keys() and all(0 <= cpu[k] <= stages[k] + 0.01 for k in cpu), summary
+    assert cpu["report"] > 0.05, summary  # a report draws its page: not nothing
     run = run_row(settings_in(wh), summary["run_id"])
     # the same span, told by two clocks read a moment apart: 0.257 s apart once on a loaded machine
     # (a stage left out of either would be most of a second: the report alone takes that)

@@ -198,15 +198,20 @@ class RunSummary:
     ``write`` (a batch's data files, before the commit lock), ``commit`` (the locked transaction:
     lock wait, deletes, catalog, bookkeeping; ``stats`` included), ``stats`` (the statistics of
     the features a batch changed), ``report``."""
+    stage_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    """CPU seconds (user + system) of the thread that ran each stage, as ``stage_seconds``: all of
+    a stage's CPU when DuckDB runs it on that thread (a batch under ``bytes_per_thread`` of input,
+    the default for every export file), without its worker threads' when it has several."""
 
     @contextlib.contextmanager
     def timed(self, stage: str):
         """Add the time the ``with`` block takes to ``stage_seconds[stage]``."""
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - started
+            self.stage_cpu_seconds[stage] = self.stage_cpu_seconds.get(stage, 0.0) + time.thread_time() - cpu
 
     def sync_commit_stats(self) -> dict[str, float]:
         self.commits, self.commit_retries = self.stats.commits, self.stats.retries
@@ -222,6 +227,7 @@ class RunSummary:
         d.pop("started_at")
         d["rejected"] = d["rejected"][:50]
         d["stage_seconds"] = {k: round(v, 3) for k, v in self.stage_seconds.items()}
+        d["stage_cpu_seconds"] = {k: round(v, 3) for k, v in self.stage_cpu_seconds.items()}
         return d
 
 
@@ -307,7 +313,7 @@ def _part_tag(part: int) -> str:
 
 
 def finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: RunSummary,
-                error: str | None = None) -> None:
+               error: str | None = None, at: datetime | None = None) -> None:
     def part_body(c: duckdb.DuckDBPyConnection) -> dict[str, float]:
         counts = {k: getattr(summary, k) for k in COUNTERS} | summary.sync_commit_stats()
         write_counts(c, summary, counts)
@@ -320,7 +326,7 @@ def finish_run(conn: duckdb.DuckDBPyConnection, settings: Settings, summary: Run
         stats = summary.sync_commit_stats()
         warehouse.execute(c, "UPDATE runs SET status = $status, finished_at = $at, error = $error, "
                   + ", ".join(f"{k} = ${k}" for k in stats) + " WHERE run_id = $run_id",
-                  {"status": summary.status, "at": utcnow(), "error": error, "run_id": summary.run_id} | stats)
+                  {"status": summary.status, "at": at or utcnow(), "error": error, "run_id": summary.run_id} | stats)
 
     if summary.part is None:
         warehouse.transaction(conn, settings, body, message=f"run {summary.run_id} {summary.status}",
