@@ -223,6 +223,12 @@ BAD_EMBEDDINGS = [
     # outside review: numbers whose squares' sum is 0 or overflows have no length to normalise by
     ("subnormal values (1e-320): the squares sum to 0", [1e-320] * 256, "embedding_not_zero"),
     ("huge values (1e308): the squares overflow", [1e308] * 256, "embedding_not_zero"),
+    # what DuckDB's JSON cast reads as numbers though the grammar of a list of numbers does not
+    ("a string holding strings", json.dumps(["0.5"] * 256), "embedding_is_numbers"),
+    ("a string holding true", json.dumps([True] + [0.5] * 255), "embedding_is_numbers"),
+    ("a string holding false", json.dumps([0.5] * 255 + [False]), "embedding_is_numbers"),
+    ("a string with a comma before its end", json.dumps([0.5] * 256)[:-1] + " ,\n ] ", "embedding_is_numbers"),
+    ("a string holding NaN", json.dumps([0.5] * 255)[:-1] + ", NaN]", "embedding_is_numbers"),
 ]
 
 
@@ -235,6 +241,52 @@ def test_a_bad_embedding_is_quarantined_not_loaded(tmp_path, gz):
     assert query(settings.warehouse, "SELECT explanation_id FROM explanations") == [("exp-b",)]
     fired = dict(query(settings.warehouse, "SELECT record_key, check_name FROM quarantine"))
     assert fired == {f"bad-{i}": check for i, (_, _, check) in enumerate(BAD_EMBEDDINGS)}
+
+
+def _edge_texts() -> list[str]:
+    """Texts near the grammar of a list of numbers: valid lists, each changed by a character
+    put in, taken out or swapped, at the ends and inside."""
+    import random
+
+    rnd = random.Random(7)
+    seeds = ["[]", "[ ]", "[1]", " [1, 2] ", "[-0.5e-3,1E+5,\n0]", "[0.25, 0.5, 0.75]", "[18446744073709551616]",
+             json.dumps([0.5] * 8), "[1e400]", "[-0]"]
+    alphabet = list(' \t\n\r\f,[]{}".-+eE0123456789') + ["true", "false", "null", "NaN", "Infinity", "-Infinity",
+                                                         '"1"', "/*c*/", "\ufeff", "x", "0x1"]
+    texts = set(seeds)
+    for seed in seeds:
+        for _ in range(600):
+            t, i = seed, rnd.randrange(len(seed) + 1)
+            op = rnd.randrange(3)
+            if op == 0:
+                t = t[:i] + rnd.choice(alphabet) + t[i:]
+            elif op == 1 and t:
+                t = t[:i] + t[i + 1:]
+            elif t:
+                t = t[:i] + rnd.choice(alphabet) + t[i + 1:]
+            texts.add(t)
+    return sorted(texts)
+
+
+def test_the_embedding_check_is_the_number_list_grammar():
+    """The export road's check that an embedding's text is a list of finite numbers (without a
+    regular expression: it cost 10x the CPU) agrees with the JSON grammar of such a list, on
+    valid lists and every text one edit away from one."""
+    import duckdb
+
+    from pipeline.stages import columns
+
+    texts = _edge_texts()
+    conn = duckdb.connect()
+    conn.execute("CREATE TABLE t (_emb_text VARCHAR)")
+    conn.executemany("INSERT INTO t VALUES (?)", [[x] for x in texts])
+    got = conn.execute(f"""
+        SELECT _emb_text, {columns._EMBEDDING_NUMERIC} AS numeric,
+               coalesce(regexp_full_match(_emb_text, '{columns._NUMBER_LIST}') AND list_count(_emb_nums) = len(_emb_nums)
+                        AND len(list_filter(_emb_nums, x -> NOT isfinite(x))) = 0, false) AS grammar
+        FROM (SELECT _emb_text, TRY_CAST(TRY_CAST(_emb_text AS JSON) AS DOUBLE[]) AS _emb_nums FROM t)""").fetchall()
+    assert len(got) > 2500 and sum(n for _, n, _ in got) > 100  # both kinds, many of each
+    assert [t for t, numeric, grammar in got if numeric != grammar] == []
 
 
 def test_a_version_4_warehouse_upgrades(tmp_path):
