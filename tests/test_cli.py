@@ -527,11 +527,13 @@ def test_status_at_80_columns_keeps_the_verdict_of_a_run_with_a_long_id(tmp_path
 
 def test_ingest_and_status_give_one_duration(tmp_path):
     """Issue 45: the same run was "26.2s" in ingest's summary and 20.4 in status (status counted
-    from after the warehouse was opened)."""
+    from after the warehouse was opened). Both are the span between the two times ``runs``
+    records, so they agree to the summary's rounding however long a commit takes (they once
+    differed by 0.3 s on a loaded machine: the summary took its end after the report's commit)."""
     wh = tmp_path / "wh"
     out = json.loads(fh("ingest", str(FIXTURES), "--warehouse", str(wh), "--no-progress", "--format", "json").stdout)
     (row,) = json.loads(fh("status", "--warehouse", str(wh), "--format", "json").stdout)
-    assert abs(row["seconds"] - out["seconds"]) < 0.25, (row["seconds"], out["seconds"])
+    assert abs(row["seconds"] - out["seconds"]) <= 0.0005 + 1e-9, (row["seconds"], out["seconds"])
     # what the table's failure counts are out of (review): 2 inputs asked for, 42 records read
     assert (row["n_fetch_counted"], row["n_records_read"]) == (2, 42), row
     # and that duration is the whole run's, its report included (review: it ended before the report)

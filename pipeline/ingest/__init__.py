@@ -23,6 +23,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -170,12 +171,13 @@ def ingest(
                     write_run_report(conn, summary, settings)
                 conn.close()
             raise
-        summary.seconds = round(time.monotonic() - started, 3)
-        runstate.finish_run(conn, settings, summary)
+        ended = utcnow()
+        summary.seconds = _seconds(summary, started, ended)
+        runstate.finish_run(conn, settings, summary, at=ended)
         try:
             if report_after:  # the run's seconds (and runs.finished_at) include its report
-                write_run_report(conn, summary, settings)
-                summary.seconds = round(time.monotonic() - started, 3)
+                if (ended := write_run_report(conn, summary, settings)) is not None:
+                    summary.seconds = _seconds(summary, started, ended)
             _stop_if_signalled(came)  # one that came during the report stops the process too
         except BaseException as exc:  # a signal: the run is done and recorded
             exc.add_note(f"run {run_id} is recorded as succeeded (its data is loaded); its report may not be "
@@ -186,9 +188,20 @@ def ingest(
         return summary
 
 
-def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> None:
-    """Write the run's HTML report (it records its path in ``runs.report_path``); a failure
-    here is logged, not raised."""
+def _seconds(summary: RunSummary, started: float, ended: datetime) -> float:
+    """The run's duration up to ``ended``, the moment ``runs.finished_at`` records: from the
+    ``started_at`` it records too, so the summary and ``status`` give one figure however long
+    the commit that records it takes (a part, whose run began with its first part: its own,
+    by the clock)."""
+    if summary.started_at is None:
+        return round(time.monotonic() - started, 3)
+    return round((ended - summary.started_at).total_seconds(), 3)
+
+
+def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> datetime | None:
+    """Write the run's HTML report (it records its path in ``runs.report_path``, and moves the
+    run's ``finished_at`` on to when it was written, which it returns); a failure here is
+    logged, not raised (None)."""
     try:
         from ..outputs import (
             report,  # charts pull in Altair and vl-convert: only when a report is wanted
@@ -199,7 +212,9 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
             # rebuilt from every result stored, a cost that grows with every run
             path = report.write_report(conn, summary.run_id, settings=settings, data_docs_index=False)
         summary.report_path = str(path)
-        runstate.record_report(conn, settings, summary.run_id, path, ended_at=utcnow())
+        ended = utcnow()
+        runstate.record_report(conn, settings, summary.run_id, path, ended_at=ended)
+        return ended
     except Exception as exc:
         if RAISED:  # a signal stopped it (inside DuckDB: "Query interrupted"): the run says so, no traceback
             log.warning("the report of run %s was not written: the run was stopped", summary.run_id)
