@@ -90,3 +90,56 @@ def test_fetch_features_seconds_cover_every_stage_and_match_status(tmp_path):
     assert abs(run["seconds"] - summary["seconds"]) < max(0.25, 0.05 * summary["seconds"]), (
         run["seconds"], summary["seconds"])
 
+
+
+def test_a_wall_clock_stepped_back_mid_run_moves_no_duration(tmp_path, monkeypatch):
+    """A run's seconds are the monotonic clock's (an outside review: when they were read off the
+    wall clock, stepped back an hour mid-run by NTP or a resumed VM, the summary said -3593 s);
+    ``runs`` records the end as ``started_at`` + those seconds, so ``status`` says them too."""
+    import importlib
+    from pathlib import Path
+
+    from pipeline.config import Settings
+
+    ingest_module = importlib.import_module("pipeline.ingest")
+    real, calls = ingest_module.utcnow, []
+
+    def stepped_back():
+        calls.append(1)
+        return real() if len(calls) == 1 else real() - timedelta(hours=1)  # the first call is started_at
+
+    monkeypatch.setattr(ingest_module, "utcnow", stepped_back)
+    settings = Settings(warehouse=tmp_path / "wh")
+    page = Path(__file__).parent / "fixtures" / "000_e9e35889d0228029.txt"
+    s = ingest_module.ingest([page], settings, progress=False, report_after=False, run_id="clock")
+    assert s.status == "succeeded" and 0 <= s.seconds < 600, s.seconds
+    (status,) = query(settings, "SELECT epoch(finished_at - started_at) FROM runs WHERE run_id = 'clock'")[0]
+    assert abs(status - s.seconds) <= 0.0005 + 1e-9, (status, s.seconds)
+
+
+def test_fetched_ingest_and_status_give_one_duration_however_slow_its_commits(tmp_path, monkeypatch):
+    """The `fetch features` road ingests, records the window's failures, then writes the report:
+    its summary once added a span measured after the ingest returned, so a slow commit of the
+    run's end (0.5 s here) was in ``runs``' duration and not in the summary's (an outside
+    review: 0.6-0.8 s apart). Both are now the one span ``RunSummary.elapsed`` gives."""
+    import time
+
+    from pipeline.lake import runstate
+    from pipeline.sources.fetch import fetch_features, ingest_fetched
+
+    settings = settings_in(tmp_path / "wh")
+    with FakeNeuronpedia(pages=pages(3)) as np:
+        fetch_features(MODEL, SOURCE, range(3), settings=settings, base_url=np.base_url, window="w",
+                       concurrency=1, timeout=5, backoff=0.01, max_backoff=0.05, progress=False,
+                       requests_per_hour=10_000_000)
+    real_finish = runstate.finish_run
+
+    def slow_finish(*a, **kw):
+        real_finish(*a, **kw)
+        time.sleep(0.5)  # a slow commit, a loaded machine
+
+    monkeypatch.setattr(runstate, "finish_run", slow_finish)
+    s = ingest_fetched("w", settings, run_id="f1", progress=False, report_after=True)
+    assert s.status == "succeeded" and s.n_loaded == 3, s
+    (status,) = query(settings, "SELECT epoch(finished_at - started_at) FROM runs WHERE run_id = 'f1'")[0]
+    assert abs(status - s.seconds) <= 0.0005 + 1e-9, (status, s.seconds)

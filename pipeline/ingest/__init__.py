@@ -23,7 +23,6 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 
 import duckdb
@@ -103,7 +102,6 @@ def ingest(
     run_id = check_run_id(run_id or new_run_id())  # it names the report: refuse "../x" before writing
     summary = RunSummary(run_id=run_id, warehouse=str(settings.warehouse), part=part,
                          started_at=utcnow() if part is None else None)  # a part's run began with its first part
-    started = time.monotonic()
     conn = warehouse.connect(settings, create=True)
     run_started: _Run | None = None
     with _signals_watched() as came:  # a signal a step caught on the way still stops the run
@@ -155,7 +153,8 @@ def ingest(
                             "SELECT count(*) FROM runs WHERE run_id = ?", [run_id]).fetchone()[0]:
                         exc.add_note("no run was recorded: nothing was loaded")
                     else:
-                        runstate.finish_run(conn, settings, summary,
+                        summary.seconds, ended = summary.elapsed()
+                        runstate.finish_run(conn, settings, summary, at=ended,
                                             error=catalog_down.redact(f"{type(exc).__name__}: {exc}"))
                         exc.add_note(f"run {run_id} is recorded as failed")
                 except Exception as record_exc:
@@ -171,13 +170,11 @@ def ingest(
                     write_run_report(conn, summary, settings)
                 conn.close()
             raise
-        ended = utcnow()
-        summary.seconds = _seconds(summary, started, ended)
+        summary.seconds, ended = summary.elapsed()
         runstate.finish_run(conn, settings, summary, at=ended)
         try:
             if report_after:  # the run's seconds (and runs.finished_at) include its report
-                if (ended := write_run_report(conn, summary, settings)) is not None:
-                    summary.seconds = _seconds(summary, started, ended)
+                write_run_report(conn, summary, settings)
             _stop_if_signalled(came)  # one that came during the report stops the process too
         except BaseException as exc:  # a signal: the run is done and recorded
             exc.add_note(f"run {run_id} is recorded as succeeded (its data is loaded); its report may not be "
@@ -188,20 +185,10 @@ def ingest(
         return summary
 
 
-def _seconds(summary: RunSummary, started: float, ended: datetime) -> float:
-    """The run's duration up to ``ended``, the moment ``runs.finished_at`` records: from the
-    ``started_at`` it records too, so the summary and ``status`` give one figure however long
-    the commit that records it takes (a part, whose run began with its first part: its own,
-    by the clock)."""
-    if summary.started_at is None:
-        return round(time.monotonic() - started, 3)
-    return round((ended - summary.started_at).total_seconds(), 3)
-
-
-def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> datetime | None:
+def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, settings: Settings) -> bool:
     """Write the run's HTML report (it records its path in ``runs.report_path``, and moves the
-    run's ``finished_at`` on to when it was written, which it returns); a failure here is
-    logged, not raised (None)."""
+    run's ``finished_at`` on to when it was written, as ``summary.seconds``: one duration,
+    ``RunSummary.elapsed``); a failure here is logged, not raised (False)."""
     try:
         from ..outputs import (
             report,  # charts pull in Altair and vl-convert: only when a report is wanted
@@ -212,21 +199,23 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
             # rebuilt from every result stored, a cost that grows with every run
             path = report.write_report(conn, summary.run_id, settings=settings, data_docs_index=False)
         summary.report_path = str(path)
-        ended = utcnow()
+        seconds, ended = summary.elapsed()
         runstate.record_report(conn, settings, summary.run_id, path, ended_at=ended)
-        return ended
+        summary.seconds = seconds
+        return True
     except Exception as exc:
         if RAISED:  # a signal stopped it (inside DuckDB: "Query interrupted"): the run says so, no traceback
             log.warning("the report of run %s was not written: the run was stopped", summary.run_id)
-            return
+            return False
         if settings.catalog_url.startswith("postgres:") and (line := catalog_down.said(exc, settings.catalog_url)) is not None:
             log.error("could not write the report for run %s: %s; then `featurehouse report --run %s`",
                       summary.run_id, line, summary.run_id)
-            return
+            return False
         if not disk_full(exc):
             log.exception("could not write the report for run %s", summary.run_id)
-            return
+            return False
         # the run's data is loaded and recorded: a full disk is said, not a traceback
         log.error("could not write the report for run %s: the disk is full (%s); the run's data is "
                   "loaded: free some space, then `featurehouse report --run %s`", summary.run_id,
                   str(exc).splitlines()[0][:200], summary.run_id)
+        return False

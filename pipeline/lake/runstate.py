@@ -24,7 +24,7 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,8 @@ class RunSummary:
     run's (``runs``) is the night's, from its first fetch to ``finish``."""
     started_at: datetime | None = field(default=None, repr=False)
     """When the ingest began (naive UTC), before it opened the warehouse: ``runs.started_at``."""
+    clock_started: float = field(default_factory=time.monotonic, repr=False)
+    """The monotonic clock as the summary was made (with ``started_at``): see :meth:`elapsed`."""
     commits: int = 0
     commit_retries: int = 0
     lock_wait_seconds: float = 0.0
@@ -213,6 +215,17 @@ class RunSummary:
             self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - started
             self.stage_cpu_seconds[stage] = self.stage_cpu_seconds.get(stage, 0.0) + time.thread_time() - cpu
 
+    def elapsed(self) -> tuple[float, datetime]:
+        """The run's seconds so far by the monotonic clock (a wall clock stepped back or on during
+        the run moves neither), and the moment they end on the run's own clock: ``started_at`` +
+        those seconds (now, for a part, whose run began with its first part). Recorded as
+        ``runs.finished_at``, the summary and ``status`` give one duration, however long the
+        commit recording it takes."""
+        seconds = round(time.monotonic() - self.clock_started, 3)
+        if self.started_at is None:
+            return seconds, warehouse.utcnow()
+        return seconds, self.started_at + timedelta(seconds=seconds)
+
     def sync_commit_stats(self) -> dict[str, float]:
         self.commits, self.commit_retries = self.stats.commits, self.stats.retries
         self.lock_wait_seconds = round(self.stats.lock_wait_seconds, 3)
@@ -225,6 +238,7 @@ class RunSummary:
         d.pop("stats")
         d.pop("written")
         d.pop("started_at")
+        d.pop("clock_started")
         d["rejected"] = d["rejected"][:50]
         d["stage_seconds"] = {k: round(v, 3) for k, v in self.stage_seconds.items()}
         d["stage_cpu_seconds"] = {k: round(v, 3) for k, v in self.stage_cpu_seconds.items()}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -100,17 +99,17 @@ def ingest_fetched(
     inputs = _window_inputs(entries.values(), settings, failures)
     # The report is written after fetch_failures holds this run's rows: it lists them and judges by them.
     summary = ingest(inputs, settings, run_id=run_id, trigger=trigger, progress=progress, report_after=False)
-    loaded = time.monotonic()
     with warehouse.connect(settings) as conn:
         _record_failures(conn, settings, window, run_id, failures)
         if report_after:  # as in ingest: a report that cannot be written does not fail the run
             from ..ingest import write_run_report
 
-            write_run_report(conn, summary, settings)
-            # the run's seconds cover every stage it lists, its report included, and the
-            # runs table says the same duration
-            summary.seconds = round(summary.seconds + time.monotonic() - loaded, 3)
-            runstate.end_run(conn, settings, run_id, utcnow())
+            # the run's seconds cover every stage it lists, its report included, and the runs
+            # table says the same duration (RunSummary.elapsed): the report's record moves
+            # finished_at on; without a report, the end of this work does
+            if not write_run_report(conn, summary, settings):
+                summary.seconds, ended = summary.elapsed()
+                runstate.end_run(conn, settings, run_id, ended)
     return summary
 
 
