@@ -135,7 +135,9 @@ class Settings:
     1,000 pages (270 MB), with DuckDB's allocator on one arena: 48 MiB 0.86 of 32 MiB's wall
     (0.85 of its CPU; four alternating pairs), peak RSS 1.25-1.35 GB against 1.1 GB; 64 MiB no
     faster than 48 (0.92, 0.79-1.12) at 1.35-1.45 GB, too near the 1.5 GB bound; 16 MiB slower
-    (more fixed costs a batch); `$FEATUREHOUSE_BATCH_BYTES`."""
+    (more fixed costs a batch). An export file's expanded bytes count 3/8 (DuckDB streams them
+    into its columns: 128 MiB of them a batch by default; ``ingest.intake.EXPORT_BYTES_SHARE``);
+    `$FEATUREHOUSE_BATCH_BYTES`."""
 
     bytes_per_thread: int = 64 * 1024 * 1024
     """An ingest gives DuckDB one worker thread per this many input bytes of the batch in hand
