@@ -898,3 +898,28 @@ def test_a_later_line_holding_a_pages_own_key_refuses_the_file_on_every_road(tmp
     assert reasons["gzip"] == reasons["plain"] == [
         "line 6 of the JSON lines is a whole feature page but line 1 is an export row: send feature pages "
         "and bulk-export rows in separate files"]
+
+
+def test_export_files_fill_a_batch_by_three_eighths_of_their_bytes(tmp_path):
+    """DuckDB streams an export file into its columns, where a page's bytes become Python objects:
+    an export file's expanded bytes count 3/8 toward ``batch_bytes`` (and DuckDB's threads), so
+    a default batch holds 128 MiB of them (fewer batches: each pays the lake's statements). Three
+    explanation files that would make two batches by their bytes make one."""
+    from pipeline.config import Settings
+    from pipeline.ingest.intake import EXPORT_BYTES_SHARE
+
+    objects = build_bucket(small_pages(range(30)), batch_features=10)
+    files = []
+    for key in sorted(k for k in objects if "/explanations/" in k):
+        files.append(tmp_path / "in" / key.replace("/", "__"))
+        files[-1].parent.mkdir(parents=True, exist_ok=True)
+        files[-1].write_bytes(objects[key])
+    sizes = [len(gzip.decompress(f.read_bytes())) for f in files]
+    assert len(files) == 3 and EXPORT_BYTES_SHARE == 3 / 8
+    batch_bytes = sizes[0] + sizes[1]  # by their bytes, the first two fill a batch
+    assert sum(sizes) * EXPORT_BYTES_SHARE < batch_bytes
+    settings = Settings(warehouse=tmp_path / "wh", batch_bytes=batch_bytes)
+    summary = run_ingest(files, settings)
+    assert summary.n_loaded == 3 and summary.n_explanations == 30, summary
+    batches = query(settings, "SELECT commit_message FROM featurehouse.snapshots() WHERE commit_message LIKE '% batch %'")
+    assert len(batches) == 1, batches
