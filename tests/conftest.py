@@ -184,11 +184,22 @@ def query(warehouse: Path | Settings, sql: str, params=None) -> list[tuple]:
 def table_rows(warehouse: Path | Settings, table: str, exclude: tuple[str, ...] = META_COLUMNS) -> list[tuple]:
     """Every row of ``table`` without its load metadata, in a stable order."""
     with open_warehouse(warehouse) as conn:
-        cols = [c for (c,) in conn.execute(
-            "SELECT column_name FROM duckdb_columns() WHERE database_name = 'featurehouse' AND table_name = ? "
-            "ORDER BY column_index", [table]).fetchall() if c not in exclude]
-        sel = ", ".join(f'"{c}"' for c in cols)
-        return conn.execute(f"SELECT {sel} FROM {table} ORDER BY ALL").fetchall()
+        return _rows(conn, table, exclude)
+
+
+def tables_rows(warehouse: Path | Settings, tables, exclude: tuple[str, ...] = META_COLUMNS) -> dict[str, list[tuple]]:
+    """``table_rows`` of each of ``tables``, by name, read through one connection (opening one
+    loads its extensions and attaches the catalog: ~0.2 s, ~0.5 s on S3 with PostgreSQL)."""
+    with open_warehouse(warehouse) as conn:
+        return {t: _rows(conn, t, exclude) for t in tables}
+
+
+def _rows(conn: duckdb.DuckDBPyConnection, table: str, exclude: tuple[str, ...]) -> list[tuple]:
+    cols = [c for (c,) in conn.execute(
+        "SELECT column_name FROM duckdb_columns() WHERE database_name = 'featurehouse' AND table_name = ? "
+        "ORDER BY column_index", [table]).fetchall() if c not in exclude]
+    sel = ", ".join(f'"{c}"' for c in cols)
+    return conn.execute(f"SELECT {sel} FROM {table} ORDER BY ALL").fetchall()
 
 
 def write(path: Path, data: bytes) -> Path:
