@@ -28,8 +28,11 @@ META_COLUMNS = ("input_sha256", "run_id", "loaded_at", "refreshed_at", "quaranti
 
 #: Seconds a module's tests took together (fresh clone, 2 cores, 2026-12-01), rounded: only
 #: orders the groups xdist hands out, longest first, so the two workers end together. A module
-#: not listed counts half a second a test; a test marked ``heavy`` counts its own seconds.
+#: not listed counts half a second a test; a test marked ``heavy`` counts its own seconds. A
+#: group named with ``xdist_group`` is looked up by its name first ("publish" was not listed:
+#: ~13 s by its 26 tests, so handed out last, it ran 470 s alone at the end of the suite).
 MODULE_SECONDS = {
+    "publish": 330, "publish-s3": 65,  # tests/test_publish.py's two groups (measured 2026-12-07)
     "test_docs_examples": 180, "test_report_layout": 45,
     "test_airflow_dags_test": 240, "test_sql_readonly": 160, "test_golden": 80, "test_ingest": 75,
     "test_snapshots": 75, "test_warehouse_portable": 75, "test_find": 60, "test_timezones": 55,
@@ -68,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
         group = _group(item)
         module = item.module.__name__.rpartition(".")[2]
         seconds[group] = _weight(item) if group == item.nodeid else MODULE_SECONDS.get(
-            module, seconds.get(group, 0.0) + 0.5)
+            group, MODULE_SECONDS.get(module, seconds.get(group, 0.0) + 0.5))
     items.sort(key=lambda item: -seconds[_group(item)])  # stable
 
 
