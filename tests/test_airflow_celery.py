@@ -43,7 +43,7 @@ from tests.airflow_helpers import (
     wait_for_port,
     wait_until,
 )
-from tests.conftest import open_warehouse, table_rows
+from tests.conftest import open_warehouse, tables_rows
 from tests.s3_support import S3_ENV
 
 pytestmark = [pytest.mark.airflow, pytest.mark.scheduler, pytest.mark.celery]
@@ -140,8 +140,9 @@ def _local_night(local: Settings, fake: str, a: int, b: int) -> None:
 def _assert_same_tables(cluster: Settings, local: Settings, n: int) -> None:
     with open_warehouse(cluster) as conn:
         assert conn.execute("SELECT count(*), count(DISTINCT feature_index) FROM features").fetchone() == (n, n)
+    got, want = tables_rows(cluster, TABLES), tables_rows(local, TABLES)
     for table in TABLES:
-        assert table_rows(cluster, table) == table_rows(local, table), table
+        assert got[table] == want[table], table
 
 
 @pytest.mark.heavy(200)

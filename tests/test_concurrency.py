@@ -26,7 +26,7 @@ import pytest
 from bench.generate import synthetic_page
 from pipeline.config import Settings
 from pipeline.lake import warehouse as wh
-from tests.conftest import META_COLUMNS, query, run_ingest, table_rows
+from tests.conftest import META_COLUMNS, query, run_ingest, tables_rows
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 TABLES = ("features", "activations", "explanations", "models", "sources", "source_sets",
@@ -139,8 +139,9 @@ def _rounded(rows: list[tuple]) -> list[tuple]:
 
 
 def _same_tables(a: Path, b: Path) -> None:
+    rows_a, rows_b = tables_rows(a, TABLES), tables_rows(b, TABLES)
     for table in TABLES:
-        assert _rounded(table_rows(a, table)) == _rounded(table_rows(b, table)), f"{table} differs"
+        assert _rounded(rows_a[table]) == _rounded(rows_b[table]), f"{table} differs"
 
 
 def _ran_at_once(warehouse: Path) -> None:
@@ -228,10 +229,11 @@ def test_a_load_retries_when_a_writer_outside_featurehouse_wins_the_commit(tmp_p
     (retries,) = query(warehouse, "SELECT commit_retries FROM runs ORDER BY started_at DESC LIMIT 1")[0]
     assert retries > 0, "the outside writer never conflicted with the load: the test proved nothing"
     ingest_here(tmp_path / "alone", v2)
-    for table in ("features", "activations", "explanations", "feature_activation_stats"):
-        got = table_rows(warehouse, table, exclude=META_COLUMNS)
-        want = table_rows(tmp_path / "alone", table, exclude=META_COLUMNS)
-        assert got == want, f"{table} differs after the retried load"
+    tables = ("features", "activations", "explanations", "feature_activation_stats")
+    got = tables_rows(warehouse, tables, exclude=META_COLUMNS)
+    want = tables_rows(tmp_path / "alone", tables, exclude=META_COLUMNS)
+    for table in tables:
+        assert got[table] == want[table], f"{table} differs after the retried load"
 
 
 @pytest.fixture(scope="module")

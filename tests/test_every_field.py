@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from pipeline.config import Settings
-from tests.conftest import query, run_ingest, table_rows, write
+from tests.conftest import query, run_ingest, tables_rows, write
 from tests.formats import all_formats
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -202,7 +202,7 @@ def test_both_roads_store_the_same(tmp_path):
                  _export(wh.parent / f"in-{gz}", "activations", ACTIVATION_ROWS, gz),
                  _export(wh.parent / f"in-{gz}", "features", FEATURE_ROWS, gz)]
         run_ingest(files, Settings(warehouse=wh))
-        loads[gz] = {t: table_rows(wh, t) for t in ("explanations", "activations", "features")}
+        loads[gz] = tables_rows(wh, ("explanations", "activations", "features"))
     for t in loads[True]:
         for a, b in zip(loads[True][t], loads[False][t], strict=True):
             a = tuple(json.loads(v) if isinstance(v, str) and v[:1] in "{[" else v for v in a)

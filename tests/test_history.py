@@ -21,7 +21,7 @@ from pipeline.config import Settings
 from pipeline.lake.history import BadFeatureKey, changes_since, feature_history, parse_key
 from pipeline.lake.maintain import maintain
 from pipeline.lake.warehouse import attach_sql, connect
-from tests.conftest import good_page, query, run_ingest, table_rows, write
+from tests.conftest import good_page, query, run_ingest, tables_rows, write
 from tests.formats import to_api_json
 from tests.test_snapshots import T0, _at, page_v
 
@@ -127,8 +127,8 @@ def test_maintenance_expires_old_history_and_merges_small_files(tmp_path):
         page = synthetic_page(100 + i, valid=True)
         run_ingest([write(tmp_path / f"in{i}" / "p.json", orjson.dumps(page))], settings)
     assert _files(settings)["activations"] == 8
-    before = {t: table_rows(settings.warehouse, t) for t in ("features", "activations", "explanations",
-                                                            "feature_activation_stats", "runs", "raw_inputs")}
+    before = tables_rows(settings.warehouse, ("features", "activations", "explanations",
+                                              "feature_activation_stats", "runs", "raw_inputs"))
     first_run = query(settings.warehouse, "SELECT run_id FROM runs ORDER BY started_at LIMIT 1")[0][0]
 
     kept = maintain(settings, retention_days=30, grace=timedelta(0))  # nothing is old enough to expire
@@ -139,8 +139,9 @@ def test_maintenance_expires_old_history_and_merges_small_files(tmp_path):
     assert files["activations"] == files["validation_results"] == 1, files
     assert max(files.values()) == 1, f"every table is one file now: {files}"
     assert result.files_after == len(list((settings.warehouse / "data").rglob("*.parquet")))
+    after = tables_rows(settings.warehouse, before)
     for table, rows in before.items():
-        assert table_rows(settings.warehouse, table) == rows, f"{table} changed in maintenance"
+        assert after[table] == rows, f"{table} changed in maintenance"
     gone = fh("changes", "--since", first_run, "--warehouse", str(settings.warehouse))
     assert gone.returncode == 1 and "expired" in gone.stderr
     # the history that remains starts from the state at the oldest snapshot kept

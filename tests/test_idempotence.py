@@ -11,7 +11,7 @@ from tests.conftest import (
     good_page,
     query,
     run_ingest,
-    table_rows,
+    tables_rows,
     write,
 )
 from tests.formats import gz, to_api_json, to_flight, to_html
@@ -21,7 +21,7 @@ TABLES = ("models", "source_sets", "sources", "features", "activations", "explan
 
 
 def _snapshot(wh) -> dict[str, list[tuple]]:
-    return {t: table_rows(wh, t) for t in TABLES}
+    return tables_rows(wh, TABLES)
 
 
 @pytest.fixture(scope="module")

@@ -311,14 +311,47 @@ def s3_server():
         yield srv
 
 
-@pytest.fixture
-def on_s3(built, s3_server, monkeypatch):
-    """The built warehouse's settings with moto's endpoint (the lake's S3 settings), its
-    credentials in the environment, and a bucket of the test's own."""
+#: The tests of an S3 DEST: an xdist group of their own (beside "publish"), with their own warehouse.
+on_s3_group = pytest.mark.xdist_group("publish-s3")
+
+
+@pytest.fixture(scope="module")
+def built_s3(tmp_path_factory):
+    """The S3 tests' own warehouse: 40 realistic pages (each with its bad record) and five small
+    ones of another source. What those tests prove (what is sent to S3, in parts or not, what is
+    left there when a publication fails, what a reader reads from it) holds at any size; a
+    quarter of ``built``'s pages publish ~4 times faster, and still make files over the
+    multipart test's 64 KiB parts. They add pages to it, which ``built``'s tests do not see."""
+    from bench.generate import write_pages
+
+    root = tmp_path_factory.mktemp("publish-s3")
+    settings = Settings(warehouse=root / "wh")
+    pages = write_pages(40, root / "in" / "pages")
+    small = [write(root / "in" / "small" / f"{i}.json", orjson.dumps(good_page(i, source="5-res-jb")))
+             for i in range(5)]
+    run_ingest(pages + small, settings)
+    return settings
+
+
+def _on_s3(settings: Settings, s3_server, monkeypatch):
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)
-    _, settings, _ = built
     return dataclasses.replace(settings, s3_endpoint=s3_server.endpoint), s3_server, s3_server.bucket()
+
+
+@pytest.fixture
+def on_s3(built_s3, s3_server, monkeypatch):
+    """The S3 tests' warehouse settings with moto's endpoint (the lake's S3 settings), its
+    credentials in the environment, and a bucket of the test's own."""
+    return _on_s3(built_s3, s3_server, monkeypatch)
+
+
+@pytest.fixture
+def on_s3_built(built, s3_server, monkeypatch):
+    """``on_s3`` of ``built``'s warehouse: for a bound that holds at its size (a later
+    publication's new data files, ~2 KB each whatever they hold, are at most 5 % of the first's)."""
+    _, settings, _ = built
+    return _on_s3(settings, s3_server, monkeypatch)
 
 
 def _secret(s3) -> dict:
@@ -374,6 +407,7 @@ def _hf_over_s3(s3, bucket: str, prefix: str, table: str) -> int:
     return pq.ParquetDataset([f"{bucket}/{prefix}/{k}" for k in files], filesystem=fs).read().num_rows
 
 
+@on_s3_group
 def test_publishing_to_s3_writes_the_folder_layout_and_the_printed_line_reads_it_exactly(on_s3, tmp_path):
     """`publish s3://bucket/prefix` puts there what a folder DEST holds (catalog, data/, hf/);
     a plain DuckDB with the reader's secret pastes the printed ATTACH line and gets every
@@ -400,12 +434,12 @@ def test_publishing_to_s3_writes_the_folder_layout_and_the_printed_line_reads_it
         assert _hf_over_s3(s3, bucket, "sae/v1", t) == len(warehouse_rows(settings, t, r.snapshot_id)), t
 
 
-def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_catalog_keeps_reading(on_s3, tmp_path):
+def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_catalog_keeps_reading(on_s3_built, tmp_path):
     """After a one-page load, a publication into the same prefix sends the new data files, the
     hf/ tables that changed and the catalog, nothing else (counted from the listing, and from the
     PUTs sent); a dry run before it says as much and sends nothing; the old catalog still reads
     the first snapshot from the files left in place."""
-    settings, s3, bucket = on_s3
+    settings, s3, bucket = on_s3_built
     stage = tmp_path / "stage"
     dest = f"s3://{bucket}/sae"
     first = publish_s3.publish(settings, dest, stage=stage)
@@ -458,6 +492,7 @@ def test_a_later_publication_to_s3_sends_only_new_files_and_a_reader_of_the_old_
     assert hist["p"] == [[repr(first.snapshot_id)], [repr(second.snapshot_id)]]
 
 
+@on_s3_group
 def test_a_failed_upload_to_s3_leaves_the_publication_there_whole(on_s3, tmp_path, monkeypatch):
     """The connection lost after some data files, then again among hf/'s files: each time the
     catalog there is the one before, and a reader gets the first publication's rows exactly. A
@@ -564,6 +599,7 @@ def _gated(s3, open_puts: int):
         srv.server_close()
 
 
+@on_s3_group
 def test_a_publication_to_s3_killed_while_sending_leaves_the_one_there_whole(on_s3, tmp_path):
     """`featurehouse publish s3://...` SIGKILLed with two of its new data files sent (the third
     held at a proxy): the catalog there is the one before and a reader gets its rows exactly; the
@@ -610,6 +646,7 @@ def test_a_publication_to_s3_killed_while_sending_leaves_the_one_there_whole(on_
     assert {t: int(got[f"n_{t}"][0][0]) for t in pub.DEFAULT_TABLES} == _counts(settings, snap)
 
 
+@on_s3_group
 def test_files_over_the_part_size_go_up_in_parts_and_are_not_sent_again(on_s3, tmp_path, monkeypatch):
     """Issue 42: the multipart road was never taken by a test (its part size is 64 MiB). With
     parts of 64 KiB (moto told to take parts that small), every file over that goes up in parts:
@@ -650,6 +687,7 @@ def test_files_over_the_part_size_go_up_in_parts_and_are_not_sent_again(on_s3, t
     assert again.upload.fetched == 0  # and none fetched back: the stage's files are the objects S3 holds
 
 
+@on_s3_group
 def test_publish_to_s3_from_the_command_line(on_s3, tmp_path):
     """The CLI with the lake's S3 settings (variables): a dry run lists what it would send and
     sends nothing; the publication prints what it sent and an ATTACH line that works as pasted."""
@@ -668,6 +706,7 @@ def test_publish_to_s3_from_the_command_line(on_s3, tmp_path):
     assert not any(k.startswith("hf/") for k in _objects(s3, bucket, "cli"))
 
 
+@on_s3_group
 def test_an_s3_dest_is_refused_inside_the_lake_or_among_other_objects(on_s3, tmp_path, monkeypatch):
     """Refused in one line, nothing sent: a prefix inside (or holding) the lake's S3 data path, a
     prefix holding objects no publication made, an install without boto3."""

@@ -34,7 +34,7 @@ from pipeline.stages.land import land
 from pipeline.stages.materialise import refresh_run
 from pipeline.stages.receive import Input
 from tests.airflow_helpers import postgres_cluster
-from tests.conftest import query, table_rows
+from tests.conftest import query, tables_rows
 from tests.fake_neuronpedia import FakeNeuronpedia
 from tests.fetch_support import FAST, MODEL, SOURCE, pages, scalar
 from tests.s3_support import moto_s3
@@ -145,10 +145,10 @@ def _units_at_once(env, tmp_path, catalog: str) -> None:
     assert finish_fetched("w", parallel, run_id="night")["status"] == "succeeded"
     refresh_run(parallel, "night")
 
+    want, on_s3_, at_once = (tables_rows(s, TABLES) for s in (local, remote, parallel))
     for table in TABLES:
-        rows = table_rows(local, table)
-        assert table_rows(remote, table) == rows, table
-        assert table_rows(parallel, table) == rows, table
+        assert on_s3_[table] == want[table], table
+        assert at_once[table] == want[table], table
     assert scalar(remote, "SELECT count(*) FROM features") == 30
 
     keys = env.keys(bucket)

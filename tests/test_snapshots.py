@@ -24,7 +24,7 @@ import pytest
 from pipeline.config import Settings
 from pipeline.lake.history import changes_since, feature_history, parse_key
 from pipeline.lake.warehouse import connect
-from tests.conftest import good_page, query, run_ingest, table_rows, write
+from tests.conftest import good_page, query, run_ingest, tables_rows, write
 from tests.formats import to_api_json, to_flight
 from tests.test_land import _adds_up
 
@@ -326,7 +326,7 @@ STATE_TABLES = ("features", "activations", "explanations", "feature_activation_s
 
 
 def _tables(settings: Settings) -> dict[str, list]:
-    return {t: table_rows(settings.warehouse, t) for t in STATE_TABLES}
+    return tables_rows(settings.warehouse, STATE_TABLES)
 
 
 @pytest.fixture(scope="module")
