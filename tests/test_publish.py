@@ -116,18 +116,25 @@ def _all(tables) -> dict[str, str]:
     return {t: f"SELECT * FROM fh.{t} ORDER BY ALL" for t in tables}
 
 
+def _loaded(root: Path, n_pages: int) -> Settings:
+    """A warehouse in ``root`` of ``n_pages`` realistic pages (each with its bad record) and five
+    small ones of another source."""
+    from bench.generate import write_pages
+
+    settings = Settings(warehouse=root / "wh")
+    pages = write_pages(n_pages, root / "in" / "pages")
+    small = [write(root / "in" / "small" / f"{i}.json", orjson.dumps(good_page(i, source="5-res-jb")))
+             for i in range(5)]
+    run_ingest(pages + small, settings)
+    return settings
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A warehouse of 150 realistic pages (three row groups of activations) (each with its bad record) and five small ones of another
     source, published once into a folder that a server serves."""
-    from bench.generate import write_pages
-
     root = tmp_path_factory.mktemp("publish")
-    settings = Settings(warehouse=root / "wh")
-    pages = write_pages(150, root / "in" / "pages")
-    small = [write(root / "in" / "small" / f"{i}.json", orjson.dumps(good_page(i, source="5-res-jb")))
-             for i in range(5)]
-    run_ingest(pages + small, settings)
+    settings = _loaded(root, 150)
     server = Served(root)
     yield root, settings, server
     server.close()
@@ -322,15 +329,7 @@ def built_s3(tmp_path_factory):
     left there when a publication fails, what a reader reads from it) holds at any size; a
     quarter of ``built``'s pages publish ~4 times faster, and still make files over the
     multipart test's 64 KiB parts. They add pages to it, which ``built``'s tests do not see."""
-    from bench.generate import write_pages
-
-    root = tmp_path_factory.mktemp("publish-s3")
-    settings = Settings(warehouse=root / "wh")
-    pages = write_pages(40, root / "in" / "pages")
-    small = [write(root / "in" / "small" / f"{i}.json", orjson.dumps(good_page(i, source="5-res-jb")))
-             for i in range(5)]
-    run_ingest(pages + small, settings)
-    return settings
+    return _loaded(tmp_path_factory.mktemp("publish-s3"), 40)
 
 
 def _on_s3(settings: Settings, s3_server, monkeypatch):
