@@ -187,7 +187,9 @@ def _extra_sql(a: str, listed: tuple[str, ...], unlisted: list[str] = ()) -> str
             f"ELSE rtrim(CAST({listed_sql} AS VARCHAR), '}}') || ',' || {rest}[2:] END)")
 
 
-#: An explanation embedding's JSON text holds only a list of JSON numbers (the grammar's).
+#: An explanation embedding's JSON text holds only a list of JSON numbers: the grammar, as a
+#: regular expression. Not matched on the export road (``_EMBEDDING_NUMERIC`` checks the same
+#: without it); the test that holds the two equal matches it.
 _NUMBER_LIST = r"\s*\[\s*(NUM(\s*,\s*NUM)*)?\s*\]\s*".replace(
     "NUM", r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
 
