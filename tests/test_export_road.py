@@ -17,6 +17,7 @@ import orjson
 import pytest
 from hypothesis import strategies as st
 
+from pipeline.stages import spool
 from tests.conftest import query, run_ingest
 from tests.fake_neuronpedia import build_bucket, small_pages
 
@@ -60,7 +61,9 @@ def _rows(wh: Path, table: str) -> list[tuple]:
 
 
 @pytest.mark.parametrize("producer", ["a", "b"])
-def test_gzip_exports_and_plain_lines_give_identical_rows(tmp_path, producer):
+def test_gzip_exports_and_plain_lines_give_identical_rows(tmp_path, producer, monkeypatch):
+    """And on the gzip road, whether DuckDB reads each file's expanded copy (``spool.py``), the
+    gzip itself (a file past the copy's limit), or some files one way and some the other."""
     from pipeline.config import Settings
 
     objects = build_bucket(small_pages(range(0, 40), n_activations=4), producer=producer, batch_features=16)
@@ -77,6 +80,15 @@ def test_gzip_exports_and_plain_lines_give_identical_rows(tmp_path, producer):
     assert formats["gzip+export_jsonl"] == len([k for k in objects if k.endswith(".gz")])
     for table in TABLES:
         assert _rows(gz.warehouse, table) == _rows(plain.warehouse, table), table
+    # the same files with no expanded copy, and with copies of the smaller files only
+    sizes = sorted(len(gzip.decompress(body)) for key, body in objects.items() if key.endswith(".gz"))
+    for name, limit in (("none", 0), ("some", sizes[len(sizes) // 2])):
+        monkeypatch.setattr(spool, "SPOOL_MAX_BYTES", limit)
+        other = Settings(warehouse=tmp_path / f"gz-{name}.duckdb")
+        s_other = run_ingest([tmp_path / "gz"], other)
+        assert (s_other.n_rejected, s_other.n_activations) == (0, 160)
+        for table in TABLES:
+            assert _rows(other.warehouse, table) == _rows(plain.warehouse, table), (name, table)
 
 
 def test_a_bad_row_in_an_export_is_quarantined_not_the_whole_batch(tmp_path):
@@ -440,9 +452,9 @@ _LINE_OUTCOMES = {
 }
 
 
-@pytest.mark.parametrize("road", ["gzip", "plain"])
+@pytest.mark.parametrize("road", ["gzip", "gzip-read-by-duckdb", "plain"])
 @pytest.mark.parametrize("damage", list(_LINE_OUTCOMES))
-def test_an_export_line_has_one_outcome_on_every_road(tmp_path, damage, road):
+def test_an_export_line_has_one_outcome_on_every_road(tmp_path, damage, road, monkeypatch):
     """DuckDB's typed read took `true` and "0.5" in `values` as numbers, "2.5" as maxValue 2.5,
     "2_004" as index 2004 and kept the first of a key written twice; an object over several
     lines refused the whole file (the plain road refused the file for a bad index too). Now the
@@ -454,6 +466,8 @@ def test_an_export_line_has_one_outcome_on_every_road(tmp_path, damage, road):
     damaged_id = orjson.loads(lines[4])["id"]
     lines[4] = _damaged(lines[4], damage)
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
+    if road == "gzip-read-by-duckdb":  # no expanded copy kept aside (spool.py): DuckDB reads the gzip
+        monkeypatch.setattr(spool, "SPOOL_MAX_BYTES", 0)
     _write_bucket(objects, tmp_path / "in", plain=road == "plain")
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)

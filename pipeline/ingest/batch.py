@@ -9,6 +9,7 @@ from typing import Any
 
 from ..stages.land import Landed
 from ..stages.records import ParsedInput
+from ..stages.spool import Spool
 
 
 class _Batch:
@@ -23,6 +24,7 @@ class _Batch:
         self.export_lines: dict[str, int] = {}  # newlines in each export file, by digest
         self.export_inexact: dict[str, list[int]] = {}  # ... its lines for the Python road (stage.LineCheck)
         self.export_fields: dict[str, frozenset[str]] = {}  # ... the fields of its lines the typed read lacks
+        self.export_spools: dict[str, Spool] = {}  # ... its expanded bytes, kept aside until it is read
         self.bad_lines: list[dict[str, Any]] = []  # export lines that are not JSON objects, to quarantine
         self.taken: set[str] = set()  # digests this batch reads
         self.reread: list[str] = []  # of those, landed before (--reprocess, a limit raised, a newer capture)

@@ -27,6 +27,7 @@ from ..stages.captures import AGAIN_READ, settle_again
 from ..stages.land import Digests, Landed, land
 from ..stages.parse import PAGE_KEY_BYTES, Rejected, first_lines, gunzip_measure, parse_bytes
 from ..stages.receive import Input
+from ..stages.spool import Spool
 from .batch import _Batch
 
 log = logging.getLogger("featurehouse")
@@ -230,19 +231,28 @@ class _Intake:
             # An export batch: DuckDB streams it from the landing area, however large. It is
             # checked whole first (CRC, end marker, size limit), never held in memory.
             check = stage.LineCheck(table)  # (lines DuckDB's typed read would take otherwise)
+            # the expanded bytes kept aside for DuckDB's read as they are measured (spool.py)
+            spool = Spool(check, self.settings.warehouse / ".tmp")
             try:  # on S3 this reads the object once more: the price of never trusting a size
                 with open_landed(landed.path) as stream:
                     size, lines = gunzip_measure(stream, self.settings.max_decompressed_bytes, PAGE_KEY_BYTES,
-                                                 lines=check)
+                                                 lines=spool)
             except Rejected as exc:
+                spool.close()
                 self.reject(batch, landed, "gzip+export_jsonl", str(exc))
                 return
+            except BaseException:
+                spool.close()
+                raise
             inexact = check.finish()
             if check.page_line is not None:  # as the plain road refuses a file of JSON lines holding one
+                spool.close()
                 self.reject(batch, landed, "gzip+export_jsonl", (
                     f"line {check.page_line} of the JSON lines is a whole feature page but line 1 is an export "
                     "row: send feature pages and bulk-export rows in separate files"))
                 return
+            if spool.path is not None:
+                batch.export_spools[landed.sha256] = spool
             batch.exports.setdefault(table, []).append(replace(landed, data=None))
             batch.export_lines[landed.sha256] = lines
             if inexact:

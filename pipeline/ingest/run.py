@@ -28,6 +28,7 @@ from ..stages.captures import claim_captures
 from ..stages.land import Landed
 from ..stages.parse import NotAnObject, Rejected, parse_export_line
 from ..stages.records import InputFormat, ParsedInput
+from ..stages.spool import close_all
 from .batch import _Batch
 from .intake import BAD_LINE_CHECK, LINE_RECORD_CHECK, _Intake, _line_as_record
 from .loading import _DATA_TABLES, LoadJob, _forget, _Loader
@@ -216,10 +217,14 @@ class _Run:
     def _read_exports(self, batch: _Batch) -> None:
         """Export files never take the Python road, which would hold a whole (many-GB) file in
         memory: a line that is not a JSON object is quarantined and the rest of its file loads."""
-        exports = stage.read_exports(
-            self.conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
-                        for t, group in batch.exports.items()}, batch.export_inexact, batch.export_fields
-        )
+        try:
+            exports = stage.read_exports(
+                self.conn, {t: [(landed.sha256, landed.path, batch.export_lines[landed.sha256]) for landed in group]
+                            for t, group in batch.exports.items()}, batch.export_inexact, batch.export_fields,
+                {sha: path for sha, spool in batch.export_spools.items() if (path := spool.path) is not None},
+            )
+        finally:
+            close_all(batch.export_spools)  # read (or failed): the copies are freed before the next batch lands
         for table, group in batch.exports.items():
             for landed in group:
                 if landed.sha256 in exports.refused:

@@ -91,7 +91,8 @@ _PENDING_BYTES = 1 << 24  # ... or once they hold this much
 
 def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[str, Path, int]]],
                  inexact: dict[str, list[int]] | None = None,
-                 fields: dict[str, frozenset[str]] | None = None) -> ExportRead:
+                 fields: dict[str, frozenset[str]] | None = None,
+                 spools: dict[str, str] | None = None) -> ExportRead:
     """Read gzip bulk-export files with DuckDB, streaming, into ``fast_export_<table>``.
 
     ``files`` maps a data table to ``(sha256, landed path, number of newlines)`` triples. Every
@@ -105,7 +106,9 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
     ``python_lines``. A file DuckDB cannot read at all for a line in it (an object written over
     several lines stops read_json, ignore_errors or not) is streamed the same way, its lines
     that are JSON objects read again. A file with more than ``MAX_BAD_LINES`` bad lines, or one
-    DuckDB cannot read even so, is refused whole.
+    DuckDB cannot read even so, is refused whole. ``spools`` maps a file to a copy of its
+    expanded bytes (``spool.Spool``): DuckDB's typed read takes that instead of the gzip (every
+    other look at the file reads the gzip).
     """
     inexact = dict(inexact or {})
     out = ExportRead()
@@ -128,7 +131,10 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
         )
         if not group:
             continue
-        unread = _insert_exports(conn, table, [(sha, path) for sha, path, _ in group], columns)
+        spooled = [(sha, Path(spools[sha])) for sha, _, _ in group if spools and sha in spools]
+        unread = {**_insert_exports(conn, table, spooled, columns, compression="uncompressed"),
+                  **_insert_exports(conn, table, [(sha, path) for sha, path, _ in group if not spools or sha not in spools],
+                                    columns)}
         # A row without any scalar is the cheap sign (no list is read) of a bad line.
         no_scalar = " AND ".join(f'"{k}" IS NULL' for k, v in columns.items() if not v.endswith("[]"))
         for sha, path, _ in group:
@@ -233,9 +239,11 @@ _GZIP_HINT = ("; DuckDB refuses bytes after the last gzip member, such as zero p
 
 
 def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tuple[str, Path]],
-                    columns: dict[str, str] | None = None) -> dict[str, str]:
+                    columns: dict[str, str] | None = None, compression: str = "gzip") -> dict[str, str]:
     """Append the rows of ``group``'s files to ``fast_export_<table>``, each file's in the order
     of its lines; returns the files that could not be read at all (with DuckDB's reason)."""
+    if not group:
+        return {}
     paths = [str(p) for _, p in group]
     try:
         # Streams: no window, sort or join over the rows (a row's id is the temp table's rowid),
@@ -243,7 +251,7 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
         # keep the order of the lines (read_json and INSERT preserve insertion order).
         select = f"""SELECT $shas[list_position($files, j.filename)] AS input_sha256, j.* EXCLUDE (filename)
                 FROM read_json($files, columns = $columns, format = 'newline_delimited',
-                               compression = 'gzip', filename = true, ignore_errors = true,
+                               compression = '{compression}', filename = true, ignore_errors = true,
                                maximum_object_size = {_MAX_OBJECT}) AS j"""
         if table == "explanations":
             select = _with_embedding(select, "embedding", name="embedding_values", keep_raw=True)
@@ -263,7 +271,7 @@ def _insert_exports(conn: duckdb.DuckDBPyConnection, table: str, group: list[tup
             return {group[0][0]: f"DuckDB could not read it as gzip JSON lines: {_first_line(exc)}{hint}"}
         refused: dict[str, str] = {}
         for one in group:
-            refused.update(_insert_exports(conn, table, [one], columns))
+            refused.update(_insert_exports(conn, table, [one], columns, compression))
         return refused
     return {}
 

@@ -1,0 +1,131 @@
+"""An export file's expanded bytes, kept aside by the landing pass for DuckDB's read
+(``pipeline/stages/spool.py``): the same bytes, in a file with no name (nothing to clean up
+after a killed run, nothing another process can delete), and never a condition of the load —
+past its limit, or on a disk that refuses it, DuckDB reads the gzip as before."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import os
+from pathlib import Path
+
+import duckdb
+import orjson
+import pytest
+
+from pipeline.stages import spool
+from pipeline.stages.gunzip import gunzip_measure
+from tests.conftest import good_page, query, run_ingest, write
+
+
+class _Lines:
+    """A stand-in for ``LineCheck``: what it was fed."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.data = b""
+        self.resets = getattr(self, "resets", -1) + 1
+
+    def feed(self, chunk: bytes) -> None:
+        self.data += chunk
+
+
+def _rows(n: int) -> bytes:
+    return b"".join(orjson.dumps({"id": f"a{i}", "values": [0.0, 0.5 * i]}) + b"\n" for i in range(n))
+
+
+def test_the_copy_holds_the_expanded_bytes_in_a_file_with_no_name(tmp_path):
+    body = _rows(50_000)  # > 1 MiB: several chunks
+    (tmp_path / "f.jsonl.gz").write_bytes(gzip.compress(body))
+    lines = _Lines()
+    copy = spool.Spool(lines, tmp_path / "tmp")
+    assert gunzip_measure(tmp_path / "f.jsonl.gz", 1 << 30, lines=copy) == (len(body), 50_000)
+    assert lines.data == body  # the check is fed as before
+    path = copy.path
+    assert path is not None and Path(path).read_bytes() == body
+    assert os.listdir(tmp_path / "tmp") == []  # no name in the folder while it is in use
+    n = duckdb.sql(f"SELECT count(*) FROM read_json('{path}', format = 'newline_delimited', "
+                   "compression = 'uncompressed')").fetchone()[0]
+    assert n == 50_000
+    copy.close()
+    assert copy.path is None and os.listdir(tmp_path / "tmp") == []
+
+
+def test_a_file_past_the_limit_is_checked_but_not_copied(tmp_path):
+    body = _rows(5_000)
+    (tmp_path / "f.jsonl.gz").write_bytes(gzip.compress(body))
+    lines = _Lines()
+    copy = spool.Spool(lines, tmp_path / "tmp", limit=len(body) - 1)
+    assert gunzip_measure(tmp_path / "f.jsonl.gz", 1 << 30, lines=copy)[0] == len(body)
+    assert lines.data == body and copy.path is None
+    exact = spool.Spool(_Lines(), tmp_path / "tmp", limit=len(body))
+    gunzip_measure(tmp_path / "f.jsonl.gz", 1 << 30, lines=exact)
+    assert exact.path is not None and Path(exact.path).read_bytes() == body
+
+
+def test_a_disk_that_refuses_the_copy_leaves_the_check_whole(tmp_path):
+    body = _rows(5_000)
+    (tmp_path / "f.jsonl.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "not-a-folder").write_text("")
+    lines = _Lines()
+    copy = spool.Spool(lines, tmp_path / "not-a-folder" / "tmp")  # mkdir fails: NotADirectoryError
+    gunzip_measure(tmp_path / "f.jsonl.gz", 1 << 30, lines=copy)
+    assert lines.data == body and copy.path is None
+
+
+def test_a_second_pass_over_a_file_starts_the_copy_afresh(tmp_path):
+    lines = _Lines()
+    copy = spool.Spool(lines, tmp_path)
+    copy.feed(b"half of a first pass\n")
+    copy.reset()  # gunzip_measure: ISA-L found the file broken, the standard library reads it again
+    copy.feed(b"the second\n")
+    assert lines.resets == 1 and lines.data == b"the second\n"
+    assert Path(copy.path).read_bytes() == b"the second\n"
+
+
+def test_an_ingest_whose_copies_the_disk_refuses_loads_every_line(tmp_path, settings, monkeypatch):
+    """ENOSPC from the copy is no failure of the run: DuckDB reads those files' gzip."""
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(spool.tempfile, "TemporaryFile", full)
+    rows = b"".join(orjson.dumps(a) + b"\n" for a in good_page(5)["activations"])
+    write(tmp_path / "in" / "batch.jsonl.gz", gzip.compress(rows))
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert (summary.status, summary.n_loaded, summary.n_rejected) == ("succeeded", 1, 0)
+    assert query(settings, "SELECT count(*) FROM activations WHERE feature_index = 5") == [(3,)]
+
+
+@pytest.mark.skipif(not spool.spool_possible(), reason="no /proc/self/fd here: the copy is never made")
+def test_a_run_reads_its_export_files_from_their_copies(tmp_path, settings, monkeypatch):
+    """The copies are what DuckDB reads (not a saving on paper): each file's copy is made and
+    handed to the read, then freed before the run ends."""
+    made: list[spool.Spool] = []
+    real = spool.Spool.__init__
+
+    def recording(self, *a, **k):
+        real(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(spool.Spool, "__init__", recording)
+    for i in (5, 6):
+        rows = b"".join(orjson.dumps(a) + b"\n" for a in good_page(i)["activations"])
+        write(tmp_path / "in" / f"batch-{i}.jsonl.gz", gzip.compress(rows))
+    from pipeline.stages import export_road
+
+    read = export_road.read_exports
+    handed: list[dict] = []
+
+    def reading(conn, files, inexact=None, fields=None, spools=None):
+        handed.append(dict(spools or {}))
+        return read(conn, files, inexact, fields, spools)
+
+    monkeypatch.setattr(export_road, "read_exports", reading)
+    monkeypatch.setattr("pipeline.stages.stage.read_exports", reading)
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert summary.n_loaded == 2 and query(settings, "SELECT count(*) FROM activations") == [(6,)]
+    assert len(made) == 2 and sum(len(h) for h in handed) == 2
+    assert all(s.path is None for s in made)  # freed
