@@ -129,3 +129,44 @@ def test_a_run_reads_its_export_files_from_their_copies(tmp_path, settings, monk
     assert summary.n_loaded == 2 and query(settings, "SELECT count(*) FROM activations") == [(6,)]
     assert len(made) == 2 and sum(len(h) for h in handed) == 2
     assert all(s.path is None for s in made)  # freed
+
+
+def test_no_more_copies_are_open_than_the_descriptors_allow(tmp_path, monkeypatch):
+    """A batch of many small export files (up to 1,000 inputs) keeps at most MAX_OPEN copies
+    open (an eighth of the open-files limit below that): the others are read from their gzip."""
+    import resource
+
+    monkeypatch.setattr(spool, "MAX_OPEN", 3)
+    copies = [spool.Spool(_Lines(), tmp_path) for _ in range(5)]
+    for c in copies:
+        c.feed(b"{}\n")
+    assert [c.path is not None for c in copies] == [True, True, True, False, False]
+    copies[0].close()
+    late = spool.Spool(_Lines(), tmp_path)
+    late.feed(b"{}\n")
+    assert late.path is not None  # a slot freed is taken again
+    for c in copies + [late]:
+        c.close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    monkeypatch.setattr(spool, "MAX_OPEN", 128)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (16, hard))
+        few = [spool.Spool(_Lines(), tmp_path) for _ in range(3)]
+        for c in few:
+            c.feed(b"{}\n")
+        assert [c.path is not None for c in few] == [True, True, False]  # 16 // 8
+        for c in few:
+            c.close()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_ingest_of_more_export_files_than_copies_loads_them_all(tmp_path, settings, monkeypatch):
+    monkeypatch.setattr(spool, "MAX_OPEN", 2)
+    for i in range(5, 10):
+        rows = b"".join(orjson.dumps(a) + b"\n" for a in good_page(i)["activations"])
+        write(tmp_path / "in" / f"batch-{i}.jsonl.gz", gzip.compress(rows))
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert (summary.n_loaded, summary.n_rejected) == (5, 0)
+    assert query(settings, "SELECT count(*) FROM activations") == [(15,)]
+    assert spool._open == 0  # every copy freed

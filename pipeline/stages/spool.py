@@ -19,7 +19,9 @@ gzip, as before: the copy is a saving, never a condition of the load.
 from __future__ import annotations
 
 import logging
+import resource
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,7 +33,35 @@ log = logging.getLogger("featurehouse")
 #: of ``batch_bytes``) plus one file: under 1 GiB of temporary disk with DuckDB's own spills.
 SPOOL_MAX_BYTES = 320 << 20
 
+#: The most copies open at once in a process (each holds a file descriptor until its batch is
+#: read; a batch may hold up to 1,000 small export files): an eighth of the open-files limit, at
+#: most 128 — a batch past it reads its other files' gzip, and the run keeps descriptors for
+#: DuckDB, the landing and the lake (a common soft limit is 1,024).
+MAX_OPEN = 128
+
 _FD_DIR = Path("/proc/self/fd")
+_slots_lock = threading.Lock()
+_open = 0
+
+
+def _take_slot() -> bool:
+    global _open
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    cap = MAX_OPEN if soft == resource.RLIM_INFINITY else min(MAX_OPEN, soft // 8)
+    with _slots_lock:
+        if _open >= cap:
+            return False
+        _open += 1
+        return True
+
+
+def _free_slot() -> None:
+    global _open
+    with _slots_lock:
+        _open -= 1
 
 
 def spool_possible() -> bool:
@@ -74,8 +104,15 @@ class Spool:
             return
         try:
             if self._file is None:
-                self._folder.mkdir(parents=True, exist_ok=True)
-                self._file = tempfile.TemporaryFile(dir=self._folder)  # O_TMPFILE where the disk has it
+                if not _take_slot():  # as many copies open as descriptors allow: this file's gzip is read
+                    self._given_up = True
+                    return
+                try:
+                    self._folder.mkdir(parents=True, exist_ok=True)
+                    self._file = tempfile.TemporaryFile(dir=self._folder)  # O_TMPFILE where the disk has it
+                except BaseException:
+                    _free_slot()
+                    raise
             self._file.write(chunk)
         except OSError as exc:  # a full disk: DuckDB reads the gzip instead
             log.info("not keeping an export file's expanded bytes aside (%s): DuckDB reads the gzip", exc)
@@ -105,9 +142,13 @@ class Spool:
             except OSError:
                 pass
             self._file = None
+            _free_slot()
 
     def __del__(self) -> None:  # an abandoned batch's copies: freed with it
-        self.close()
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit the module's globals may be gone
+            pass
 
 
 def close_all(spools: dict[str, Spool]) -> None:
