@@ -507,3 +507,51 @@ def test_an_inputs_records_found_absent_before_the_lock_are_replaced_if_it_came_
                                      f"count(DISTINCT record_key) FROM quarantine {where}") == [(2, 2, 1)]
     assert query(settings.warehouse, f"SELECT count(*) FROM input_captures {where}") == [(3,)]
     assert query(settings.warehouse, "SELECT count(*) FROM activations WHERE feature_index = 7") == [(2,)]
+
+
+def test_a_runs_next_batch_decides_against_what_another_writer_committed_after_its_last(tmp_path, monkeypatch):
+    """Which tables hold rows, and what the reference tables hold, is asked by each batch of
+    the snapshot it decides against, never kept from the run's batch before. Here the run's
+    first batch (feature 8 with no explanation, the model renamed) finds no explanation held;
+    then another writer commits capture v1 of feature 7 (its explanation and activations, the
+    model named otherwise); then the run's second batch, a newer capture of feature 7 with
+    neither explanations nor activations and the model named as the first batch named it, must
+    delete v1's rows and name the model again (the last commit's name is the model's)."""
+    import importlib
+
+    loading_module = importlib.import_module("pipeline.ingest.loading")  # the loader thread's work
+    settings = Settings(warehouse=tmp_path / "wh", batch_bytes=1)  # one input a batch
+    run_ingest([write(tmp_path / "in9" / "page.json", to_api_json(good_page(9, source="race-src")))], settings)
+
+    def named(name: str, empty: bool = False):
+        def edit(page: dict) -> None:
+            page["model"]["displayName"] = name
+            if empty:
+                page.update(explanations=[], activations=[])
+        return edit
+
+    f8 = good_page(8, source="race-src")
+    f8.update(explanations=[])
+    f8["model"]["displayName"] = "renamed"
+    f8 = write(tmp_path / "in8" / "page.json", to_api_json(f8))
+    v1 = _page("v1", datetime(2026, 1, 1), tmp_path / "in1", edit=named("other"))
+    v2 = _page("v2", datetime(2026, 2, 1), tmp_path / "in2", edit=named("renamed", empty=True))
+
+    load_batch, between = loading_module._Loader.load_batch, []
+
+    def then_another_writer(self, job):
+        out = load_batch(self, job)
+        if not between:  # after the run's first commit, before its second batch decides
+            between.append(subprocess.run([str(FEATUREHOUSE), "ingest", str(v1), "--warehouse", str(settings.warehouse),
+                                           "--no-progress"], capture_output=True, text=True, timeout=300))
+        return out
+
+    monkeypatch.setattr(loading_module._Loader, "load_batch", then_another_writer)
+    summary = run_ingest([f8, v2], settings)
+    assert summary.status == "succeeded" and between and between[0].returncode == 0, (summary, between)
+    assert query(settings.warehouse, "SELECT count(*) FROM raw_inputs") == [(4,)]
+    assert query(settings.warehouse, "SELECT count(*) FROM explanations WHERE feature_index = 7") == [(0,)]
+    assert query(settings.warehouse, "SELECT count(*) FROM activations WHERE feature_index = 7") == [(0,)]
+    assert query(settings.warehouse, "SELECT count(*) FROM activations WHERE feature_index = 8") == [(3,)]
+    assert query(settings.warehouse, "SELECT display_name FROM models") == [("renamed",)]
+    assert _stats(settings) == _recomputed(settings)
