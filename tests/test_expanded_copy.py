@@ -170,3 +170,62 @@ def test_an_ingest_of_more_export_files_than_copies_loads_them_all(tmp_path, set
     assert (summary.n_loaded, summary.n_rejected) == (5, 0)
     assert query(settings, "SELECT count(*) FROM activations") == [(15,)]
     assert spool._open == 0  # every copy freed
+
+
+def _repetitive_exports(folder: Path, n_files: int, n_rows: int) -> int:
+    """Activations export files that expand ~100× (the outside review's: one feature a row, 64
+    tokens, the same values), the last with a line cut short and a line that is not JSON."""
+    from tests.fake_neuronpedia import build_bucket, small_pages
+
+    objects = build_bucket(small_pages(range(0, 4), n_activations=2), batch_features=16)
+    base = orjson.loads(gzip.decompress(next(v for k, v in objects.items() if "/activations/" in k)).split(b"\n")[0])
+    expanded = 0
+    for f in range(n_files):
+        lines = []
+        for r in range(n_rows):
+            idx = f * n_rows + r
+            values = [round(i * 0.123456, 6) for i in range(64)]
+            lines.append(orjson.dumps({**base, "id": f"act-{idx}", "index": str(idx),
+                                       "tokens": [f"tok{i}" for i in range(64)], "values": values,
+                                       "maxValue": max(values), "maxValueTokenIndex": 63, "minValue": 0.0}))
+        if f == n_files - 1:
+            lines[10] = lines[10][:40]
+            lines[20] = b"not json"
+        body = b"\n".join(lines) + b"\n"
+        write(folder / f"batch-{f}.jsonl.gz", gzip.compress(body, mtime=0))
+        expanded += len(body)
+    return expanded
+
+
+def test_copies_never_take_the_room_the_warehouse_needs(tmp_path):
+    """Outside review: 8 export files of 32 KB gzip, 3.4 MB expanded each, in one batch, into a
+    warehouse on a 7 MiB disk: the copies (open until the batch is read) filled it and the
+    landing failed with "disk is full", where the old road loads them in ~3 MB. A copy now
+    leaves ``SPOOL_DISK_RESERVE`` free or is not made (this test failed with no reserve)."""
+    import subprocess
+    import sys
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=7M", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("no tmpfs can be mounted here (needs root)")
+    try:
+        assert _repetitive_exports(tmp_path / "in", 8, 2_500) > 7 << 20  # the copies alone would not fit
+        proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "ingest", str(tmp_path / "in"),
+                               "--warehouse", str(disk / "wh"), "--no-progress"],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert query(disk / "wh", "SELECT count(*) FROM activations") == [(19_998,)]
+        assert query(disk / "wh", "SELECT count(*) FROM quarantine") == [(2,)]
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_copy_is_given_up_where_it_would_leave_the_disk_short(tmp_path, monkeypatch):
+    st = os.statvfs(tmp_path)
+    monkeypatch.setattr(spool, "SPOOL_DISK_RESERVE", st.f_bavail * st.f_frsize - (1 << 20))
+    lines = _Lines()
+    copy = spool.Spool(lines, tmp_path)
+    for _ in range(4):  # a little over 1 MiB more than the reserve allows
+        copy.feed(b"x" * (512 << 10))
+    assert copy.path is None and len(lines.data) == 2 << 20  # the check is fed every byte

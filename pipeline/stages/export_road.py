@@ -28,6 +28,7 @@ from .columns import _EXPORT_COLUMNS, _EXPORT_EMBEDDING, _table_columns, _with_e
 from .line_check import _ACTIVATION_KEY_LINES, _MAX_OBJECT, LineCheck
 from .parse import Rejected, gunzip_measure
 from .records import PAGE_RELATIONS
+from .spool import expanded_copy
 
 log = logging.getLogger("featurehouse")
 
@@ -135,6 +136,20 @@ def read_exports(conn: duckdb.DuckDBPyConnection, files: dict[str, list[tuple[st
         unread = {**_insert_exports(conn, table, spooled, columns, compression="uncompressed"),
                   **_insert_exports(conn, table, [(sha, path) for sha, path, _ in group if not spools or sha not in spools],
                                     columns)}
+        for sha, path, _ in group:
+            if sha in unread and _GZIP_HINT in unread[sha]:
+                # DuckDB's gzip reader refuses bytes gzip reads (zero padding after the last
+                # member); the landing pass read it whole: its expanded bytes are read instead,
+                # as they are for a file copied aside while landing (spool.py), so it loads
+                # whichever road it took. Refused as before where no copy can be made.
+                with open_landed(path) as raw:
+                    copy = expanded_copy(raw, Path(_temp_dir(conn) or tempfile.gettempdir()))
+                if copy is not None:
+                    try:
+                        if not _insert_exports(conn, table, [(sha, Path(copy.path))], columns, "uncompressed"):
+                            del unread[sha]
+                    finally:
+                        copy.close()
         # A row without any scalar is the cheap sign (no list is read) of a bad line.
         no_scalar = " AND ".join(f'"{k}" IS NULL' for k, v in columns.items() if not v.endswith("[]"))
         for sha, path, _ in group:

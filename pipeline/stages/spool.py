@@ -13,12 +13,16 @@ The copy is an unnamed temporary file (``O_TMPFILE``, else one unlinked at once)
 through ``/proc/self/fd/<n>``: a run killed at any moment leaves nothing behind, and a
 ``maintain`` or a second ingest cannot see it. A file past ``SPOOL_MAX_BYTES`` expanded, a
 disk that refuses the copy, or a system without ``/proc/self/fd`` keeps DuckDB's read of the
-gzip, as before: the copy is a saving, never a condition of the load.
+gzip, as before: the copy is a saving, never a condition of the load; nor is one made where it
+would leave under ``SPOOL_DISK_RESERVE`` free on its disk (the landing and the lake come first).
+A file DuckDB's gzip reader refuses whole though gzip reads it (zero padding after its last
+member) is copied then, whatever its size, so it loads on either road (``expanded_copy``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import tempfile
 import threading
@@ -32,6 +36,10 @@ log = logging.getLogger("featurehouse")
 #: batch is landed), and a batch holds ~341 MiB of expanded export bytes (``EXPORT_BYTES_SHARE``
 #: of ``batch_bytes``) plus one file: under 1 GiB of temporary disk with DuckDB's own spills.
 SPOOL_MAX_BYTES = 320 << 20
+
+#: The free space a copy leaves on its disk, at least: the landing of the batch's other files,
+#: DuckDB's spills and the lake's new files need it more (a copy is given up, not the load).
+SPOOL_DISK_RESERVE = 1 << 30
 
 #: The most copies open at once in a process (each holds a file descriptor until its batch is
 #: read; a batch may hold up to 1,000 small export files): an eighth of the open-files limit, at
@@ -75,10 +83,12 @@ class Spool:
     hook). ``path`` is then the file for DuckDB to read (``None`` when it was given up: past
     ``limit`` bytes, ``SPOOL_MAX_BYTES`` unless given, or the disk refused); ``close`` frees it."""
 
-    def __init__(self, check: Any, folder: Path, limit: int | None = None) -> None:
+    def __init__(self, check: Any, folder: Path, limit: int | None = None, *, counted: bool = True) -> None:
         self.check = check
         self._folder = folder
         self._limit = limit = SPOOL_MAX_BYTES if limit is None else limit
+        self._counted = counted  # takes one of the MAX_OPEN slots (not: one copy made and read at once)
+        self._slot = False
         self._file: IO[bytes] | None = None
         self._n = 0
         self._given_up = limit <= 0 or not spool_possible()
@@ -104,15 +114,19 @@ class Spool:
             return
         try:
             if self._file is None:
-                if not _take_slot():  # as many copies open as descriptors allow: this file's gzip is read
-                    self._given_up = True
-                    return
-                try:
-                    self._folder.mkdir(parents=True, exist_ok=True)
-                    self._file = tempfile.TemporaryFile(dir=self._folder)  # O_TMPFILE where the disk has it
-                except BaseException:
-                    _free_slot()
-                    raise
+                if self._counted:
+                    if not _take_slot():  # as many copies open as descriptors allow: this file's gzip is read
+                        self._given_up = True
+                        return
+                    self._slot = True
+                self._folder.mkdir(parents=True, exist_ok=True)
+                self._file = tempfile.TemporaryFile(dir=self._folder)  # O_TMPFILE where the disk has it
+            st = os.statvfs(self._folder)
+            if st.f_bavail * st.f_frsize - len(chunk) < SPOOL_DISK_RESERVE:
+                log.info("not keeping an export file's expanded bytes aside: under %d MiB would be left free "
+                         "on the disk of %s; DuckDB reads the gzip", SPOOL_DISK_RESERVE >> 20, self._folder)
+                self._give_up()
+                return
             self._file.write(chunk)
         except OSError as exc:  # a full disk: DuckDB reads the gzip instead
             log.info("not keeping an export file's expanded bytes aside (%s): DuckDB reads the gzip", exc)
@@ -142,6 +156,8 @@ class Spool:
             except OSError:
                 pass
             self._file = None
+        if self._slot:
+            self._slot = False
             _free_slot()
 
     def __del__(self) -> None:  # an abandoned batch's copies: freed with it
@@ -149,6 +165,35 @@ class Spool:
             self.close()
         except Exception:  # noqa: BLE001 - at interpreter exit the module's globals may be gone
             pass
+
+
+class _NoCheck:
+    def reset(self) -> None:
+        pass
+
+    def feed(self, chunk: bytes) -> None:
+        pass
+
+
+def expanded_copy(raw: IO[bytes], folder: Path) -> Spool | None:
+    """A copy of the expanded bytes of the gzip stream ``raw`` (every member, any zero padding
+    after the last ignored, as gzip does), or None where it cannot be made (the disk, or no
+    ``/proc/self/fd``). Its size is not limited: the landing pass measured it within the limit."""
+    from .gunzip import open_gzip
+
+    copy = Spool(_NoCheck(), folder, limit=1 << 62, counted=False)
+    try:
+        with open_gzip(raw) as stream:  # type: ignore[arg-type]
+            while chunk := stream.read(1 << 20):
+                copy.feed(chunk)
+    except (OSError, EOFError, ValueError) as exc:
+        log.info("could not copy an export file's expanded bytes aside: %s", exc)
+        copy.close()
+        return None
+    if copy.path is None:
+        copy.close()
+        return None
+    return copy
 
 
 def close_all(spools: dict[str, Spool]) -> None:
