@@ -286,7 +286,6 @@ def test_a_sigterm_during_the_find_refresh_says_the_run_succeeded(tmp_path, monk
     """Issue 41 item 7: a SIGTERM while the find index refreshed after a good ingest exited 143
     with nothing on stderr (or, inside DuckDB, 0) while the run was `succeeded`."""
     import signal
-    import threading
 
     from pipeline import cli as cli_module
     from pipeline.outputs import find
@@ -306,14 +305,12 @@ def test_a_sigterm_during_the_find_refresh_says_the_run_succeeded(tmp_path, monk
 
     def refresh(settings):
         if inside_duckdb:
-            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
-            timer.start()
-            try:
-                import duckdb
+            import duckdb
 
-                duckdb.connect().execute("SELECT count(*) FROM range(10000000000) t(i) WHERE hash(i) = 0").fetchall()
-            finally:
-                timer.cancel()
+            from tests.conftest import statement_a_signal_interrupts
+
+            with duckdb.connect() as conn:
+                statement_a_signal_interrupts(conn)
         else:
             signal.raise_signal(signal.SIGTERM)
 

@@ -22,6 +22,7 @@ from pipeline.sources.fetch import (
     manifest_path,
     read_manifest,
 )
+from tests.conftest import open_warehouse
 from tests.fake_neuronpedia import FakeNeuronpedia
 from tests.fetch_support import FAST, MODEL, SOURCE, pages, query, scalar, settings_in
 
@@ -161,21 +162,26 @@ def test_api_and_exports_give_identical_rows(tmp_path, producer):
         fetch_exports(MODEL, SOURCE, settings=via_exports, exports_url=np.exports_url, window="w", **FAST)
     ingest_fetched("w", via_api)
     ingest_fetched("w", via_exports)
-    for table, key in _KEYS.items():
-        skip = ["input_sha256", "run_id", "loaded_at", "captured_at", *_NOT_EXPORTED[producer][table]]
-        sql = f"SELECT * EXCLUDE ({', '.join(skip)}) FROM {table} ORDER BY {key}"
-        api_rows, export_rows = query(via_api, sql), query(via_exports, sql)
-        assert len(api_rows) == len(export_rows) > 0
-        if table in _ONE_ROAD_EXTRA[producer]:
-            road, keys = _ONE_ROAD_EXTRA[producer][table]
-            carried, other = (api_rows, export_rows) if road == "api" else (export_rows, api_rows)
-            at = [c for c, *_ in query(via_api, f"DESCRIBE {sql}")].index("extra")
-            assert all(json.loads(r[at]).get(k) is None for r in other for k in keys)
-            assert all(k in json.loads(r[at]) for r in carried for k in keys)
-            api_rows, export_rows = _drop_extra_keys(api_rows, at, keys), _drop_extra_keys(export_rows, at, keys)
-        assert api_rows == export_rows, table
-        for col in _NOT_EXPORTED[producer][table]:
-            assert scalar(via_exports, f"SELECT count({col}) FROM {table}") == 0
+    # one connection a warehouse for every read below (~0.3 CPU-s an opening; one a read was ~15 a test)
+    with open_warehouse(via_api.warehouse) as api_conn, open_warehouse(via_exports.warehouse) as exports_conn:
+        def read(settings, sql):  # tests.fetch_support.query, through the open connections
+            return (api_conn if settings is via_api else exports_conn).execute(sql).fetchall()
+
+        for table, key in _KEYS.items():
+            skip = ["input_sha256", "run_id", "loaded_at", "captured_at", *_NOT_EXPORTED[producer][table]]
+            sql = f"SELECT * EXCLUDE ({', '.join(skip)}) FROM {table} ORDER BY {key}"
+            api_rows, export_rows = read(via_api, sql), read(via_exports, sql)
+            assert len(api_rows) == len(export_rows) > 0
+            if table in _ONE_ROAD_EXTRA[producer]:
+                road, keys = _ONE_ROAD_EXTRA[producer][table]
+                carried, other = (api_rows, export_rows) if road == "api" else (export_rows, api_rows)
+                at = [c for c, *_ in read(via_api, f"DESCRIBE {sql}")].index("extra")
+                assert all(json.loads(r[at]).get(k) is None for r in other for k in keys)
+                assert all(k in json.loads(r[at]) for r in carried for k in keys)
+                api_rows, export_rows = _drop_extra_keys(api_rows, at, keys), _drop_extra_keys(export_rows, at, keys)
+            assert api_rows == export_rows, table
+            for col in _NOT_EXPORTED[producer][table]:
+                assert read(via_exports, f"SELECT count({col}) FROM {table}")[0][0] == 0
 
 
 def _chunks(data: bytes, size: int = 100):

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 
 from bench.generate import synthetic_page
 from pipeline.config import Settings
-from tests.conftest import query, run_ingest, write
+from tests.conftest import query, run_ingest, statement_a_signal_interrupts, write
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 
@@ -74,12 +73,7 @@ def test_a_sigterm_that_duckdb_turned_into_an_error_a_step_forgave_still_stops_t
 
     def interrupted(real):
         def run(conn, *args, **kwargs):
-            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
-            timer.start()
-            try:
-                conn.execute("SELECT count(*) FROM range(10000000000) t(i) WHERE hash(i) = 0").fetchall()
-            finally:
-                timer.cancel()
+            statement_a_signal_interrupts(conn)
             return real(conn, *args, **kwargs)
         return run
 
@@ -127,12 +121,7 @@ def test_a_sigterm_during_the_report_stops_the_process_and_says_the_run_succeede
 
     def signalled(conn, *args, **kwargs):
         if inside_duckdb:
-            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
-            timer.start()
-            try:
-                conn.execute("SELECT count(*) FROM range(10000000000) t(i) WHERE hash(i) = 0").fetchall()
-            finally:
-                timer.cancel()
+            statement_a_signal_interrupts(conn)
         else:
             signal.raise_signal(signal.SIGTERM)
         return real(conn, *args, **kwargs)
