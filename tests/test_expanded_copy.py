@@ -229,3 +229,29 @@ def test_a_copy_is_given_up_where_it_would_leave_the_disk_short(tmp_path, monkey
     for _ in range(4):  # a little over 1 MiB more than the reserve allows
         copy.feed(b"x" * (512 << 10))
     assert copy.path is None and len(lines.data) == 2 << 20  # the check is fed every byte
+
+
+def test_the_bad_line_roads_copy_to_a_file_with_no_name(tmp_path, settings, monkeypatch):
+    """A file with a cut line is read again line by line, its good lines copied to a gzip file
+    DuckDB then reads: that file had a name (``export-lines-*.jsonl.gz``) a SIGKILL left behind
+    for good (outside review); it has none now, while it is written and read."""
+    from pipeline.stages import export_road
+
+    seen: list[list[str]] = []
+    scan = export_road._scan_lines
+
+    def scanning(conn, src, trouble, again, inexact=frozenset()):
+        result = scan(conn, src, trouble, again, inexact)
+        folder = Path(conn.execute("SELECT current_setting('temp_directory')").fetchone()[0])
+        seen.append([p.name for p in folder.iterdir() if p.name.startswith("export-lines-")])
+        assert Path(again).read_bytes()[:2] == b"\x1f\x8b"  # the copy is there, by its path
+        return result
+
+    monkeypatch.setattr(export_road, "_scan_lines", scanning)
+    rows = [orjson.dumps(a) for a in good_page(5)["activations"]]
+    rows[1] = rows[1][:30]  # cut short
+    write(tmp_path / "in" / "batch.jsonl.gz", gzip.compress(b"\n".join(rows) + b"\n"))
+    summary = run_ingest([tmp_path / "in"], settings)
+    assert (summary.n_loaded, summary.n_quarantined) == (1, 1)
+    assert query(settings, "SELECT count(*) FROM activations") == [(2,)]
+    assert seen and seen == [[]] * len(seen)

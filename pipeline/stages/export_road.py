@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import logging
-import os
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from .columns import _EXPORT_COLUMNS, _EXPORT_EMBEDDING, _table_columns, _with_e
 from .line_check import _ACTIVATION_KEY_LINES, _MAX_OBJECT, LineCheck
 from .parse import Rejected, gunzip_measure
 from .records import PAGE_RELATIONS
-from .spool import expanded_copy
+from .spool import expanded_copy, scratch_path
 
 log = logging.getLogger("featurehouse")
 
@@ -299,10 +298,7 @@ def _read_line_by_line(conn: duckdb.DuckDBPyConnection, table: str, sha: str, pa
     """Read a file that DuckDB's read_json refused whole: stream it once, set its bad lines
     aside, copy its lines that are JSON objects to a file DuckDB then reads (the inexact ones
     to the Python road). Returns why it is refused whole instead, or None."""
-    fd, name = tempfile.mkstemp(prefix="export-lines-", suffix=".jsonl.gz", dir=_temp_dir(conn))
-    os.close(fd)
-    again = Path(name)
-    try:
+    with scratch_path(_temp_dir(conn), "export-lines-", ".jsonl.gz") as again:
         n_lines, bad, n_again, _, python = _scan_lines(conn, path, _EVERY_LINE, again, inexact)
         if len(bad) > MAX_BAD_LINES or not n_again + len(python):
             return _too_many(bad) if bad else _UNREADABLE
@@ -320,8 +316,6 @@ def _read_line_by_line(conn: duckdb.DuckDBPyConnection, table: str, sha: str, pa
         if python:
             out.python_lines[sha] = [(n, line) for _, n, line in python]
         return None
-    finally:
-        again.unlink(missing_ok=True)
 
 
 class _Every:
@@ -364,10 +358,7 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
                 FROM fast_export_{table} WHERE input_sha256 = ?)""",
         [sha],
     ).fetchone()
-    fd, name = tempfile.mkstemp(prefix="export-lines-", suffix=".jsonl.gz", dir=_temp_dir(conn))
-    os.close(fd)
-    again = Path(name)
-    try:
+    with scratch_path(_temp_dir(conn), "export-lines-", ".jsonl.gz") as again:
         n_lines, bad, n_again, stray, python = _scan_lines(conn, path, set(empty or ()) | inexact, again, inexact)
         if len(bad) > MAX_BAD_LINES:
             return _too_many(bad)
@@ -401,8 +392,6 @@ def _set_bad_lines_aside(conn: duckdb.DuckDBPyConnection, table: str, no_scalar:
                     "rather than loaded in part")
         out.bad_lines[sha] = bad
         return None
-    finally:
-        again.unlink(missing_ok=True)
 
 
 def _scan_lines(conn: duckdb.DuckDBPyConnection, src: Path, trouble: set[int], again: Path,

@@ -21,11 +21,13 @@ member) is copied then, whatever its size, so it loads on either road (``expande
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -194,6 +196,25 @@ def expanded_copy(raw: IO[bytes], folder: Path) -> Spool | None:
         copy.close()
         return None
     return copy
+
+
+@contextlib.contextmanager
+def scratch_path(folder: str | Path | None, prefix: str, suffix: str) -> Iterator[Path]:
+    """A temporary file by a path (for DuckDB, or ``gzip.open``) for the block: one with no name
+    where ``/proc/self/fd`` allows, so a run killed inside the block leaves nothing in
+    ``folder`` (a named one, ``prefix…suffix``, was left for good); else a named one, removed."""
+    where = Path(folder or tempfile.gettempdir())
+    where.mkdir(parents=True, exist_ok=True)
+    if spool_possible():
+        with tempfile.TemporaryFile(dir=where) as f:
+            yield _FD_DIR / str(f.fileno())
+        return
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=where)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
 
 
 def close_all(spools: dict[str, Spool]) -> None:
