@@ -134,10 +134,12 @@ def test_a_run_reads_its_export_files_from_their_copies(tmp_path, settings, monk
 def test_no_more_copies_are_open_than_the_descriptors_allow(tmp_path, monkeypatch):
     """A batch of many small export files (up to 1,000 inputs) keeps at most MAX_OPEN copies
     open (an eighth of the open-files limit below that): the others are read from their gzip."""
+    # counted from none open: a copy another test of this process left to the garbage collector
+    # held a slot (found in a suite run), freed first so it cannot give one back mid-test
+    import gc
     import resource
 
-    # counted from none open (a copy another test of this process left to the garbage collector
-    # would hold a slot: found in a suite run)
+    gc.collect()
     monkeypatch.setattr(spool, "_open", 0)
     monkeypatch.setattr(spool, "MAX_OPEN", 3)
     copies = [spool.Spool(_Lines(), tmp_path) for _ in range(5)]
@@ -165,6 +167,9 @@ def test_no_more_copies_are_open_than_the_descriptors_allow(tmp_path, monkeypatc
 
 
 def test_an_ingest_of_more_export_files_than_copies_loads_them_all(tmp_path, settings, monkeypatch):
+    import gc
+
+    gc.collect()
     monkeypatch.setattr(spool, "_open", 0)  # (as above)
     monkeypatch.setattr(spool, "MAX_OPEN", 2)
     for i in range(5, 10):
