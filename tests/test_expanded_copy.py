@@ -131,39 +131,46 @@ def test_a_run_reads_its_export_files_from_their_copies(tmp_path, settings, monk
     assert all(s.path is None for s in made)  # freed
 
 
-def test_no_more_copies_are_open_than_the_descriptors_allow(tmp_path, monkeypatch):
+def test_no_more_copies_are_open_than_the_descriptors_allow(tmp_path):
     """A batch of many small export files (up to 1,000 inputs) keeps at most MAX_OPEN copies
-    open (an eighth of the open-files limit below that): the others are read from their gzip."""
-    # counted from none open: a copy another test of this process left to the garbage collector
-    # held a slot (found in a suite run), freed first so it cannot give one back mid-test
-    import gc
-    import resource
+    open (an eighth of the open-files limit below that): the others are read from their gzip.
+    In a process of its own: the count is the process's, and other tests' copies left to the
+    garbage collector moved it (found in a suite run)."""
+    import subprocess
+    import sys
 
-    gc.collect()
-    monkeypatch.setattr(spool, "_open", 0)
-    monkeypatch.setattr(spool, "MAX_OPEN", 3)
-    copies = [spool.Spool(_Lines(), tmp_path) for _ in range(5)]
-    for c in copies:
-        c.feed(b"{}\n")
-    assert [c.path is not None for c in copies] == [True, True, True, False, False]
-    copies[0].close()
-    late = spool.Spool(_Lines(), tmp_path)
-    late.feed(b"{}\n")
-    assert late.path is not None  # a slot freed is taken again
-    for c in copies + [late]:
-        c.close()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    monkeypatch.setattr(spool, "MAX_OPEN", 128)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (16, hard))
-        few = [spool.Spool(_Lines(), tmp_path) for _ in range(3)]
-        for c in few:
-            c.feed(b"{}\n")
-        assert [c.path is not None for c in few] == [True, True, False]  # 16 // 8
-        for c in few:
-            c.close()
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    code = f"""
+import resource
+from pathlib import Path
+from pipeline.stages import spool
+
+class L:
+    def reset(self): pass
+    def feed(self, chunk): pass
+
+folder = Path({str(tmp_path)!r})
+spool.MAX_OPEN = 3
+copies = [spool.Spool(L(), folder) for _ in range(5)]
+for c in copies:
+    c.feed(b"{{}}\\n")
+assert [c.path is not None for c in copies] == [True, True, True, False, False]
+copies[0].close()
+late = spool.Spool(L(), folder)
+late.feed(b"{{}}\\n")
+assert late.path is not None  # a slot freed is taken again
+for c in copies + [late]:
+    c.close()
+assert spool._open == 0
+spool.MAX_OPEN = 128
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (16, hard))
+few = [spool.Spool(L(), folder) for _ in range(3)]
+for c in few:
+    c.feed(b"{{}}\\n")
+assert [c.path is not None for c in few] == [True, True, False], [c.path for c in few]  # 16 // 8
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_an_ingest_of_more_export_files_than_copies_loads_them_all(tmp_path, settings, monkeypatch):
