@@ -288,10 +288,14 @@ def test_the_embedding_check_is_the_number_list_grammar():
     got = conn.execute(f"""
         SELECT _emb_text, {columns._EMBEDDING_NUMERIC} AS numeric,
                coalesce(regexp_full_match(_emb_text, '{columns._NUMBER_LIST}') AND list_count(_emb_nums) = len(_emb_nums)
-                        AND len(list_filter(_emb_nums, x -> NOT isfinite(x))) = 0, false) AS grammar
-        FROM (SELECT _emb_text, TRY_CAST(TRY_CAST(_emb_text AS JSON) AS DOUBLE[]) AS _emb_nums FROM t)""").fetchall()
-    assert len(got) > 2500 and sum(n for _, n, _ in got) > 100  # both kinds, many of each
-    assert [t for t, numeric, grammar in got if numeric != grammar] == []
+                        AND len(list_filter(_emb_nums, x -> NOT isfinite(x))) = 0, false) AS grammar,
+               -- the numbers as DuckDB's cast of the text to JSON, then to DOUBLE[], reads them
+               CAST(_emb_nums AS VARCHAR) IS NOT DISTINCT FROM
+                   CAST(TRY_CAST(TRY_CAST(_emb_text AS JSON) AS DOUBLE[]) AS VARCHAR) AS same_numbers
+        FROM (SELECT _emb_text, {columns._EMBEDDING_NUMBERS} AS _emb_nums FROM t)""").fetchall()
+    assert len(got) > 2500 and sum(n for _, n, _, _ in got) > 100  # both kinds, many of each
+    assert [t for t, numeric, grammar, _ in got if numeric != grammar] == []
+    assert [t for t, _, _, same in got if not same] == []
 
 
 def test_a_version_4_warehouse_upgrades(tmp_path):

@@ -59,7 +59,9 @@ class LineCheck:
         self._columns = set(self._known.values())  # and the fields of the window's lines (of every line)
 
     def feed(self, chunk: bytes) -> None:
-        lines = (self._pending + chunk).split(b"\n") if self._pending else chunk.split(b"\n")
+        lines = chunk.split(b"\n")
+        if self._pending:  # (joined to the first piece only: not a copy of the whole chunk)
+            lines[0] = self._pending + lines[0]
         self._pending = lines.pop()
         for line in lines:
             if self._too_long:

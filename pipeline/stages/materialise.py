@@ -120,9 +120,12 @@ STATS_CHUNK_FEATURES = 500
 
 _KEY = "model_id, source_id, feature_index"
 
-#: What the statistics need of one activation (an excerpt): its counts, and only its active
+#: What the statistics need of one activation (an excerpt): its token count, and only its active
 #: (token, value) pairs, a few percent of its tokens. Computed in one pass over the rows: inside a
 #: load, in the same pass as the validation checks (``validate``: ``stage_activation_checks``).
+#: The active tokens' count and sum are the pairs' (``feature_activation_stats.sql``), not two
+#: more passes over the values: 0.79 → 0.53 CPU-s over a source's 131,072 excerpts of 128
+#: tokens (one thread, 2026-12-07).
 EXCERPT: tuple[tuple[str, str], ...] = (
     ("model_id", "model_id"),
     ("source_id", "source_id"),
@@ -130,8 +133,6 @@ EXCERPT: tuple[tuple[str, str], ...] = (
     ("data_source", "data_source"),
     ("max_value", "max_value"),
     ("n_tokens", "len(tokens)"),
-    ("n_active_tokens", 'len(list_filter("values", x -> x > 0))'),
-    ("sum_active", 'coalesce(list_sum(list_filter("values", x -> x > 0)), 0)'),
     ("active_pairs", """list_transform(list_filter(list_zip(tokens, "values"), p -> p[2] > 0),
                                   p -> {'token': p[1], 'value': p[2]})"""),
     ("peak_token", """CASE WHEN "values"[max_value_token_index + 1] > 0

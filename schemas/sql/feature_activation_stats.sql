@@ -1,13 +1,16 @@
 -- feature_activation_stats: one row per (model_id, source_id, feature_index, data_source).
 -- A NULL data_source is its own group. Computed from the temp view stats_activations: one row
 -- per activation (excerpt) of the features being refreshed (the caller replaces their rows),
--- already reduced to its counts and its active (token, value) pairs (pipeline/materialise.py,
+-- already reduced to its token count and its active (token, value) pairs (pipeline/materialise.py,
 -- _EXCERPT_COLUMNS) — from the activations table, or, inside a load, from the batch's staged
 -- rows for the features whose activations it replaces.
 WITH per_excerpt AS (
     SELECT
         model_id, source_id, feature_index, data_source,
-        max_value, n_tokens, n_active_tokens, sum_active
+        max_value, n_tokens,
+        -- the active tokens are the pairs with a value above 0 (one pair per such value)
+        len(active_pairs)                                              AS n_active_tokens,
+        coalesce(list_sum(list_transform(active_pairs, p -> p.value)), 0) AS sum_active
     FROM stats_activations
 ),
 
