@@ -271,3 +271,44 @@ def test_the_bad_line_roads_copy_to_a_file_with_no_name(tmp_path, settings, monk
     assert (summary.n_loaded, summary.n_quarantined) == (1, 1)
     assert query(settings, "SELECT count(*) FROM activations") == [(2,)]
     assert seen and seen == [[]] * len(seen)
+
+
+@pytest.mark.skipif(not spool.spool_possible(), reason="no /proc/self/fd here: the copy is never made")
+def test_a_run_that_fails_before_its_batch_is_read_frees_that_batchs_copies(tmp_path):
+    """A run stopped while it gathers a batch (here: the second input's landing fails) frees the
+    copies of the export files the batch already holds when it fails, not whenever the garbage
+    collector comes (a copy holds a descriptor and disk). In a process of its own: the count of
+    open copies is the process's."""
+    import subprocess
+    import sys
+
+    for i in (5, 6):
+        rows = b"".join(orjson.dumps(a) + b"\n" for a in good_page(i)["activations"])
+        write(tmp_path / "in" / f"batch-{i}.jsonl.gz", gzip.compress(rows))
+    code = f"""
+import gc
+from pathlib import Path
+from pipeline.config import Settings
+from pipeline.ingest import ingest, intake
+from pipeline.stages import spool
+
+gc.disable()
+real, calls = intake._Intake.take, []
+def take(self, item, batch):
+    calls.append(item)
+    if len(calls) == 2:
+        assert spool._open == 1, spool._open  # the first file's copy, in the batch
+        raise RuntimeError("the landing area is gone")
+    return real(self, item, batch)
+intake._Intake.take = take
+try:
+    ingest([Path({str(tmp_path / "in")!r})], Settings(warehouse=Path({str(tmp_path / "wh")!r})), progress=False,
+           report_after=False)
+except RuntimeError as exc:
+    assert "the landing area is gone" in str(exc)
+    assert spool._open == 0, spool._open  # freed with the run, while the failure is still in hand
+else:
+    raise AssertionError("the run did not fail")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

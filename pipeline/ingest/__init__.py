@@ -104,6 +104,7 @@ def ingest(
                          started_at=utcnow() if part is None else None)  # a part's run began with its first part
     conn = warehouse.connect(settings, create=True)
     run_started: _Run | None = None
+    batch: _Batch | None = None
     with _signals_watched() as came:  # a signal a step caught on the way still stops the run
         try:
             try:  # housekeeping the next run redoes: it never stops this one
@@ -141,6 +142,8 @@ def ingest(
             stopping = bool(RAISED or came) or not isinstance(exc, Exception)
             with _signals_ignored() if stopping else contextlib.nullcontext():
                 summary.status = "failed"
+                if batch is not None:  # the batch being gathered: its copies are freed now, not by the collector
+                    batch.free_copies()
                 if run_started is not None:
                     run_started.close(failed=True)
                 with contextlib.suppress(duckdb.Error):  # interrupted inside a read transaction: none open

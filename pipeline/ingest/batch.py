@@ -9,7 +9,7 @@ from typing import Any
 
 from ..stages.land import Landed
 from ..stages.records import ParsedInput
-from ..stages.spool import Spool
+from ..stages.spool import Spool, close_all
 
 
 class _Batch:
@@ -38,6 +38,11 @@ class _Batch:
     def __len__(self) -> int:
         return (len(self.inputs) + len(self.run_inputs) + len(self.fast) + sum(map(len, self.exports.values()))
                 + len(self.again))
+
+    def free_copies(self) -> None:
+        """Free the expanded copies of its export files (read, or the batch given up): each
+        holds temporary disk and a file descriptor until closed."""
+        close_all(self.export_spools)
 
     def add(self, landed: Landed, parsed: ParsedInput) -> None:
         self.inputs.append((landed, str(getattr(parsed.format, "value", parsed.format)), None))

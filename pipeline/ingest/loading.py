@@ -68,6 +68,7 @@ def _forget(conn: duckdb.DuckDBPyConnection, batch: _Batch) -> None:
     """A batch's staging tables and scratch copies, once it is loaded (or failed): quarantined
     records are cut out of these copies at the load."""
     stage.drop(conn)
+    batch.free_copies()  # (read already, but for a batch failed before its read)
     if batch.scratch is not None:
         shutil.rmtree(batch.scratch, ignore_errors=True)
 

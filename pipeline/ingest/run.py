@@ -28,7 +28,6 @@ from ..stages.captures import claim_captures
 from ..stages.land import Landed
 from ..stages.parse import NotAnObject, Rejected, parse_export_line
 from ..stages.records import InputFormat, ParsedInput
-from ..stages.spool import close_all
 from .batch import _Batch
 from .intake import BAD_LINE_CHECK, LINE_RECORD_CHECK, _Intake, _line_as_record
 from .loading import _DATA_TABLES, LoadJob, _forget, _Loader
@@ -224,7 +223,7 @@ class _Run:
                 {sha: path for sha, spool in batch.export_spools.items() if (path := spool.path) is not None},
             )
         finally:
-            close_all(batch.export_spools)  # read (or failed): the copies are freed before the next batch lands
+            batch.free_copies()  # read (or failed): the copies are freed before the next batch lands
         for table, group in batch.exports.items():
             for landed in group:
                 if landed.sha256 in exports.refused:
