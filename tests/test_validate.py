@@ -287,3 +287,20 @@ def test_duckdb_judges_what_great_expectations_records(tmp_path, data_docs):
     assert results["feature_index_not_negative"]["success"] is True
     pages = validate.build_data_docs(tmp_path / "wh", summary.run_id)
     assert pages and any("1.5" in p.read_text() for p in pages)
+
+
+@pytest.mark.parametrize("bad", [[1.0, None], [None], "[null, 2]", ["abc"], [[1.0]]])
+def test_an_embedding_with_a_value_that_is_no_number_is_quarantined_beside_a_good_one(tmp_path, settings, bad):
+    """An explanation whose embedding holds a null (or a value that is no number) is that
+    record's fault, on a page whose other explanation has a good embedding: it is quarantined,
+    the rest loads. (An inner product over the staged embeddings refused the null under the
+    staging view's NULL, and the whole run failed: found from outside.)"""
+    page = good_page(7)
+    good = [0.5, 0.25] * 128  # 256 values, as Neuronpedia's
+    page["explanations"] = [dict(page["explanations"][0], id="exp-good", embedding=good),
+                            dict(page["explanations"][0], id="exp-bad", embedding=bad)]
+    summary = run_ingest([write(tmp_path / "in" / "p.json", to_api_json(page))], settings)
+    assert summary.status == "succeeded" and summary.n_loaded == 1
+    assert query(settings, "SELECT explanation_id, embedding FROM explanations") == [("exp-good", good)]
+    assert {c for (c,) in query(settings, "SELECT DISTINCT check_name FROM quarantine WHERE record_key = 'exp-bad'")} \
+        >= {"embedding_is_numbers"}
