@@ -138,6 +138,7 @@ class _Run:
                     outcome = self._validate(now)
             _stop_if_signalled(self.signals)  # not a batch read or judged across a signal
         except BaseException:
+            warehouse.end_statement(conn)  # before _forget's statements on it
             self._warmed_up()
             _forget(conn, batch)
             raise
@@ -379,6 +380,8 @@ class _Run:
     def close(self, failed: bool = False) -> None:
         """Wait for the threads; ``failed``: the run is failing already, so an error of the batch
         loading is logged, not raised (the first error is the run's)."""
+        if failed:
+            warehouse.end_statement(self.conn)  # (this thread's connection, never the loader's: see flush)
         self.intake.digests.close()
         self._warmed_up()
         if not failed and self.report_after and self._loading is not None and not self._loading.done():

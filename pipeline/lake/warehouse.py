@@ -56,6 +56,7 @@ from .connect import (
     attach_sql,
     connect,
     data_path,
+    end_statement,
     exists,
     resolved_data_path,
     scratch_first,
@@ -88,5 +89,5 @@ __all__ = [
     "connect", "transaction", "write_lock", "holds_write_lock", "schema_version", "migrations", "latest_version",
     "attach_sql", "extension_path", "settings_for", "sandbox", "apply_migrations", "is_conflict", "CommitStats",
     "RefusedQuery", "READ_ONLY_HELP", "check_read_only", "open_for_queries", "confine_process", "data_path",
-    "resolved_data_path", "load_extension", "extension_loaded", "exists",
+    "resolved_data_path", "load_extension", "extension_loaded", "exists", "end_statement",
 ]
