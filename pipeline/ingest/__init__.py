@@ -141,6 +141,7 @@ def ingest(
             # another kind keeps Ctrl-C, should its recording hang on a catalog that stopped)
             stopping = bool(RAISED or came) or not isinstance(exc, Exception)
             with _signals_ignored() if stopping else contextlib.nullcontext():
+                warehouse.end_statement(conn)  # a statement the signal stopped: the next ones would wait for it
                 summary.status = "failed"
                 if batch is not None:  # the batch being gathered: its copies are freed now, not by the collector
                     batch.free_copies()
@@ -182,6 +183,7 @@ def ingest(
         except BaseException as exc:  # a signal: the run is done and recorded
             exc.add_note(f"run {run_id} is recorded as succeeded (its data is loaded); its report may not be "
                          f"written: `featurehouse report --run {run_id}` writes it")
+            warehouse.end_statement(conn)  # (the report's statement the signal stopped)
             conn.close()
             raise
         conn.close()
