@@ -124,7 +124,9 @@ def airflow_env(home: Path, *, scale: bool = False, **overrides: str) -> dict[st
         "FEATUREHOUSE_WAREHOUSE": str(home / "data" / "warehouse"),
         "FEATUREHOUSE_CATALOG": "",  # the embedded catalog in the warehouse folder, unless a test gives one
         "FEATUREHOUSE_INBOX": str(home / "data" / "inbox"),
-        "PYTHONPATH": str(DEPLOY),
+        # deploy/ (airflow_local_settings.py), then this tree: its pipeline/, not the one the
+        # virtualenv's editable install names (another checkout's, from a git worktree)
+        "PYTHONPATH": os.pathsep.join([str(DEPLOY), str(REPO)]),
         "AIRFLOW__API_AUTH__JWT_SECRET": "featurehouse-test-jwt-secret-" + home.name,
         "PATH": f"{AIRFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     }
