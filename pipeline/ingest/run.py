@@ -137,8 +137,7 @@ class _Run:
                 with timed("validate"):
                     outcome = self._validate(now)
             _stop_if_signalled(self.signals)  # not a batch read or judged across a signal
-        except BaseException:
-            warehouse.end_statement(conn)  # before _forget's statements on it
+        except BaseException:  # (a statement a signal stopped was ended by scratch_first)
             self._warmed_up()
             _forget(conn, batch)
             raise
