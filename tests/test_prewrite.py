@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline.config import Settings
 from pipeline.lake import warehouse as wh
-from tests.conftest import good_page, query, run_ingest, write
+from tests.conftest import good_page, open_warehouse, query, run_ingest, write
 from tests.formats import to_api_json
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
@@ -74,11 +74,16 @@ def _lock_once_running(settings: Settings, proc: subprocess.Popen, runs: int = 1
     """Take the commit lock as soon as the other processes' ``runs`` runs are recorded (each takes
     the lock to open the warehouse and to record its run; then not until its batch's commit,
     seconds later: it lands, parses and validates first). Taken when only one of two had
-    recorded its run, the other waited for the lock the test held (the suite's CI, loaded)."""
-    def running() -> bool:
-        return query(settings.warehouse, "SELECT count(*) FROM runs WHERE status = 'running'")[0][0] >= runs
+    recorded its run, the other waited for the lock the test held (the suite's CI, loaded).
+    Looked for through one connection held open (each look ~10 ms; DuckLake reads the newest
+    snapshot at each statement): with a connection opened a look (~0.4 CPU-s, ~1 s loaded) the
+    writer went from its recorded run to its commit between two looks on the suite's loaded run
+    (2026-12-07), and the test killed a writer that had already committed."""
+    with open_warehouse(settings) as conn:
+        def running() -> bool:
+            return conn.execute("SELECT count(*) FROM runs WHERE status = 'running'").fetchone()[0] >= runs
 
-    _wait_for(running, 120, proc)
+        _wait_for(running, 120, proc)
     with wh.write_lock(settings):
         yield
 
