@@ -47,6 +47,11 @@ test: setup ## Run the whole test suite in $(JOBS) processes (fails if no test i
 	echo "make test: the suite took $$(( $$(date +%s) - start )) s of wall time (pytest exit $$rc)"; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; exit $$rc
 
+test-cpu: setup ## Run the whole suite as `make test` does, recording each test's CPU seconds; prints where the suite's CPU goes (by module, heaviest tests)
+	@rm -f test-output/suite-cpu.tsv; mkdir -p test-output
+	-FEATUREHOUSE_TEST_CPU=$(CURDIR)/test-output/suite-cpu.tsv $(MAKE) --no-print-directory test
+	$(BIN)/python bench/suite_cpu.py test-output/suite-cpu.tsv
+
 constraints: setup ## Pin what .venv holds now into constraints.txt (after a change to pyproject.toml's dependencies and a passing suite)
 	{ sed -n '/^#/p' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable; } > constraints.txt.new && mv constraints.txt.new constraints.txt
 

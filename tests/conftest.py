@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
+import resource
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -73,6 +75,28 @@ def pytest_collection_modifyitems(config, items):
         seconds[group] = _weight(item) if group == item.nodeid else MODULE_SECONDS.get(
             group, MODULE_SECONDS.get(module, seconds.get(group, 0.0) + 0.5))
     items.sort(key=lambda item: -seconds[_group(item)])  # stable
+
+
+#: Where each test's CPU seconds are written, when the environment names a file (``make
+#: test-cpu``): this process's (DuckDB's threads too) and its waited-for children's, from
+#: ``getrusage``, user + system, across the test's set-up, call and tear-down (a module
+#: fixture's cost falls on its first test). What the wall-time ``--durations`` cannot say on a
+#: loaded machine: where the suite's CPU goes, which is what its time on 2 cores is made of.
+_CPU_LOG = os.environ.get("FEATUREHOUSE_TEST_CPU")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+if _CPU_LOG:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        before = _cpu_seconds()
+        yield
+        with open(_CPU_LOG, "a", encoding="utf-8") as log:  # a line a write: the workers append whole lines
+            log.write(f"{_cpu_seconds() - before:.3f}\t{item.nodeid}\n")
 
 
 def pytest_collection_finish(session):
