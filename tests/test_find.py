@@ -16,6 +16,7 @@ import pytest
 from bench.find_source import MODEL, SOURCE, TOPICS, write_source
 from pipeline.config import Settings
 from pipeline.outputs import find
+from pipeline.outputs.find import card
 from tests.conftest import good_page, query, run_ingest, write
 from tests.formats import to_api_json
 
@@ -814,6 +815,10 @@ def test_a_card_from_the_index_is_the_lakes_card(lake, tmp_path, monkeypatch):
                                    UNION ALL SELECT model_id, source_id, feature_index FROM feature_activation_stats)
                                ORDER BY ALL""").fetchall()
         snap = conn.execute(f"SELECT id FROM {warehouse.CATALOG}.current_snapshot()").fetchone()[0]
+        # the snapshot a card says it was read at: DuckLake's own last one, its id and its time
+        (sid, at), = conn.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse.CATALOG}.snapshots() "
+                                  "ORDER BY snapshot_id DESC LIMIT 1").fetchall()
+        assert card.latest_snapshot(conn) == {"id": snap, "time": at} and sid == snap
     assert len(keys) > 1000 and ("card-model", "3-res", 11) in keys
     sizes = [(10, 12), (5, 12), (3, 4), (14, 12), (10, 0), (2, 13), (0, 12)]
     with find.Finder(settings) as finder, warehouse.connect(settings, read_only=True) as conn:

@@ -122,9 +122,13 @@ def show(where: Settings | str | os.PathLike, key: str | tuple[str, str, int], *
 
 
 def latest_snapshot(lake: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    """The lake's latest snapshot: its id and time (the one a read-only statement reads now)."""
-    sid, t = lake.execute(f"SELECT snapshot_id, snapshot_time FROM {warehouse_mod.CATALOG}.snapshots() "
-                          "ORDER BY snapshot_id DESC LIMIT 1").fetchone()
+    """The lake's latest snapshot: its id and time (the one a read-only statement reads now).
+    Read from the catalog's table of snapshots, not DuckLake's ``snapshots()``, which builds
+    every snapshot's list of changes before a filter or a LIMIT applies: 10.6 against 3.4 ms of
+    CPU at 302 snapshots, growing with the history, for each feature page ``serve`` answers.
+    (The SQLite catalog keeps the time as text: cast, it is the same instant and type.)"""
+    sid, t = lake.execute(f"SELECT snapshot_id, snapshot_time::TIMESTAMPTZ FROM __ducklake_metadata_"
+                          f"{warehouse_mod.CATALOG}.ducklake_snapshot ORDER BY snapshot_id DESC LIMIT 1").fetchone()
     return {"id": sid, "time": t}
 
 
