@@ -4,6 +4,7 @@ not grow with the size of the batch."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib
 import json
@@ -28,6 +29,30 @@ TABLES = {
     "feature_activation_stats": "model_id, source_id, feature_index, data_source",
 }
 SKIP = {"input_sha256", "run_id", "loaded_at", "refreshed_at", "captured_at"}
+
+
+@functools.lru_cache(maxsize=None)
+def _bucket_once(indices: tuple[int, ...], n_activations: int | None, bucket_kw: tuple) -> dict[str, bytes]:
+    page_kw = {} if n_activations is None else {"n_activations": n_activations}
+    return build_bucket(small_pages(indices, **page_kw), **dict(bucket_kw))
+
+
+def _bucket(indices, *, n_activations: int | None = None, **bucket_kw) -> dict[str, bytes]:
+    """``build_bucket(small_pages(indices, n_activations=...), **bucket_kw)``, built once a module
+    (the pages' deep copies of the seed page are most of it) and handed out as a fresh dict: the
+    tests replace files in it, and its values are bytes, which nothing can change."""
+    return dict(_bucket_once(tuple(indices), n_activations, tuple(sorted(bucket_kw.items()))))
+
+
+def _reads(warehouse, *statements) -> list[list[tuple]]:
+    """Each of ``statements`` (SQL, or ``(SQL, parameters)``) read through one connection to the
+    warehouse (``query`` opens one each: ~0.35 CPU-s, its extensions loaded and checked)."""
+    out = []
+    with open_warehouse(warehouse) as conn:
+        for statement in statements:
+            sql, params = (statement, []) if isinstance(statement, str) else statement
+            out.append(conn.execute(sql, params).fetchall())
+    return out
 
 
 def _write_bucket(objects: dict[str, bytes], folder: Path, *, plain: bool) -> None:
@@ -55,13 +80,17 @@ def _on_each_road(objects: dict, tmp_path: Path):
 
 def _rows(wh: Path) -> dict[str, list[tuple]]:
     """Each of ``TABLES``' rows, through one connection (two a table was 16 openings a test)."""
-    out = {}
     with open_warehouse(wh) as conn:
-        for table, order in TABLES.items():
-            cols = [c for (c,) in conn.execute(f"SELECT column_name FROM (DESCRIBE {table})").fetchall() if c not in SKIP]
-            rows = conn.execute(f"SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} FROM {table} ORDER BY {order}").fetchall()
-            # Averages may differ in the last bit with the order DuckDB sums in.
-            out[table] = [tuple(round(v, 9) if isinstance(v, float) else v for v in r) for r in rows]
+        return _rows_of(conn)
+
+
+def _rows_of(conn) -> dict[str, list[tuple]]:
+    out = {}
+    for table, order in TABLES.items():
+        cols = [c for (c,) in conn.execute(f"SELECT column_name FROM (DESCRIBE {table})").fetchall() if c not in SKIP]
+        rows = conn.execute(f"SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} FROM {table} ORDER BY {order}").fetchall()
+        # Averages may differ in the last bit with the order DuckDB sums in.
+        out[table] = [tuple(round(v, 9) if isinstance(v, float) else v for v in r) for r in rows]
     return out
 
 
@@ -71,7 +100,7 @@ def test_gzip_exports_and_plain_lines_give_identical_rows(tmp_path, producer, mo
     gzip itself (a file past the copy's limit), or some files one way and some the other."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 40), n_activations=4), producer=producer, batch_features=16)
+    objects = _bucket(range(0, 40), n_activations=4, producer=producer, batch_features=16)
     _write_bucket(objects, tmp_path / "gz", plain=False)
     _write_bucket(objects, tmp_path / "plain", plain=True)
     gz = Settings(warehouse=tmp_path / "gz.duckdb")
@@ -81,9 +110,11 @@ def test_gzip_exports_and_plain_lines_give_identical_rows(tmp_path, producer, mo
     assert s_gz.n_rejected == s_plain.n_rejected == 0
     assert s_gz.n_activations == s_plain.n_activations == 160
     assert s_gz.n_features == 40 and s_gz.n_explanations == 40
-    formats = dict(query(gz.warehouse, "SELECT format, count(*) FROM raw_inputs GROUP BY 1"))
+    with open_warehouse(gz.warehouse) as conn:  # the formats and the rows through one connection
+        formats = dict(conn.execute("SELECT format, count(*) FROM raw_inputs GROUP BY 1").fetchall())
+        got_gz = _rows_of(conn)
     assert formats["gzip+export_jsonl"] == len([k for k in objects if k.endswith(".gz")])
-    got_gz, got_plain = _rows(gz.warehouse), _rows(plain.warehouse)
+    got_plain = _rows(plain.warehouse)
     for table in TABLES:
         assert got_gz[table] == got_plain[table], table
     # the same files with no expanded copy, and with copies of the smaller files only
@@ -101,7 +132,7 @@ def test_gzip_exports_and_plain_lines_give_identical_rows(tmp_path, producer, mo
 def test_a_bad_row_in_an_export_is_quarantined_not_the_whole_batch(tmp_path):
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 10), n_activations=3), producer="a")
+    objects = _bucket(range(0, 10), n_activations=3, producer="a")
     key = next(k for k in objects if "/activations/" in k)
     rows = [orjson.loads(line) for line in gzip.decompress(objects[key]).splitlines()]
     bad_id = rows[4]["id"]
@@ -201,7 +232,7 @@ def test_a_cut_line_is_quarantined_and_the_rest_of_its_file_loads(tmp_path, cut,
     loses too: that good line must still load."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    objects = _bucket(range(0, 8), n_activations=3, producer="a", batch_features=4)
     key, lines = _activation_lines(objects)
     ids = [orjson.loads(line)["id"] for lines_ in (lines, _activation_lines(objects, 1)[1]) for line in lines_]
     whole = lines[3]
@@ -213,15 +244,17 @@ def test_a_cut_line_is_quarantined_and_the_rest_of_its_file_loads(tmp_path, cut,
     summary = run_ingest([tmp_path / "in"], settings)
     assert (summary.n_rejected, summary.n_quarantined) == (0, 1)
     assert summary.n_activations == len(ids) - 1 == 23
-    loaded = {i for (i,) in query(settings.warehouse, "SELECT activation_id FROM activations")}
+    activations, quarantine, rows = _reads(
+        settings.warehouse, "SELECT activation_id FROM activations",
+        "SELECT record_key, check_name, detail, record_json->>'$' FROM quarantine",
+        "SELECT origin, status, format, n_activations FROM raw_inputs "
+        "WHERE origin LIKE '%activations__batch-%' ORDER BY origin")
+    loaded = {i for (i,) in activations}
     assert loaded == set(ids) - {orjson.loads(whole)["id"]}
-    [(record_key, check, detail, text)] = query(
-        settings.warehouse, "SELECT record_key, check_name, detail, record_json->>'$' FROM quarantine")
+    [(record_key, check, detail, text)] = quarantine
     assert (record_key, check) == ("line 4", "export_line_is_json_object")
     assert detail.startswith("line 4 of ") and "activations__batch-0.jsonl.gz is not valid JSON (byte" in detail
     assert text == lines[3].decode()  # the line as received
-    rows = query(settings.warehouse, "SELECT origin, status, format, n_activations FROM raw_inputs "
-                                     "WHERE origin LIKE '%activations__batch-%' ORDER BY origin")
     assert [r[1:] for r in rows] == [("loaded", "gzip+export_jsonl", 11), ("loaded", "gzip+export_jsonl", 12)]
 
 
@@ -233,7 +266,7 @@ def test_a_bad_first_line_is_quarantined_like_any_other(tmp_path, damage, no_pyt
     quarantined once."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a", batch_features=4)
+    objects = _bucket(range(0, 4), n_activations=3, producer="a", batch_features=4)
     key, lines = _activation_lines(objects)
     first = lines[0]
     if damage == "cut first line":
@@ -254,7 +287,7 @@ def test_a_bad_first_line_is_quarantined_like_any_other(tmp_path, damage, no_pyt
 def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_validated(tmp_path, no_python_road_for_gzip):
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key, lines = _activation_lines(objects)
     no_index = orjson.loads(lines[6])
     del no_index["index"]
@@ -266,19 +299,20 @@ def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_va
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
     assert summary.n_rejected == 0
-    lines_out = query(settings.warehouse, "SELECT record_key, detail FROM quarantine "
-                                          "WHERE check_name = 'export_line_is_json_object' ORDER BY detail")
+    lines_out, by_key, kept_rows = _reads(
+        settings.warehouse,
+        "SELECT record_key, detail FROM quarantine WHERE check_name = 'export_line_is_json_object' ORDER BY detail",
+        "SELECT record_key, list(check_name) FROM quarantine WHERE check_name <> 'export_line_is_json_object' GROUP BY 1",
+        ("SELECT DISTINCT record_json FROM quarantine WHERE record_key = ?", [no_index["id"]]))
     assert [k for k, _ in lines_out] == ["line 3", "line 5"]
     assert lines_out[0][1].endswith("is an array, not a JSON object")
     assert "is not valid UTF-8 (byte 0xff" in lines_out[1][1]
     # Objects that are JSON go through validation as before: refused by their expectations.
-    checks = dict(query(settings.warehouse, "SELECT record_key, list(check_name) FROM quarantine "
-                                            "WHERE check_name <> 'export_line_is_json_object' GROUP BY 1"))
+    checks = dict(by_key)
     assert "activation_feature_key_present" in checks[no_index["id"]]
     assert any("activation_id_present" in c for c in checks.values())  # the {} line
     # Lines were set aside, so the file's rows are not its lines: its records are kept as typed.
-    [(kept,)] = query(settings.warehouse, "SELECT DISTINCT record_json FROM quarantine WHERE record_key = ?",
-                      [no_index["id"]])
+    [(kept,)] = kept_rows
     typed = orjson.loads(kept)
     assert typed["tokens"] == no_index["tokens"] and typed["index"] is None and "input_sha256" in typed
     assert summary.n_activations == 12 - 5  # 12 lines: 2 bad, 1 blank, 2 refused by validation
@@ -289,7 +323,7 @@ def test_a_quarantined_export_record_is_its_line_as_received(tmp_path, no_python
     position among its file's non-blank lines, in each of two files of one batch."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    objects = _bucket(range(0, 8), n_activations=3, producer="a", batch_features=4)
     expected = {}
     for batch in (0, 1):
         key, lines = _activation_lines(objects, batch)
@@ -313,7 +347,7 @@ def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkey
 
     monkeypatch.setattr(stage, "MAX_BAD_LINES", 5)  # as ingest looks it up
     monkeypatch.setattr(export_road, "MAX_BAD_LINES", 5)
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key, lines = _activation_lines(objects)
     # A good first line (so it looks like an export batch), then something else altogether.
     garbage = bytes(range(256)) * 40
@@ -323,12 +357,14 @@ def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkey
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
     assert summary.n_rejected == 2 and summary.n_activations == 0
-    reasons = dict(query(settings.warehouse, "SELECT regexp_extract(origin, 'batch-[0-9]'), reason "
-                                             "FROM raw_inputs WHERE status = 'rejected'"))
+    rejected, quarantined = _reads(settings.warehouse, "SELECT regexp_extract(origin, 'batch-[0-9]'), reason "
+                                                       "FROM raw_inputs WHERE status = 'rejected'",
+                                   "SELECT count(*) FROM quarantine")
+    reasons = dict(rejected)
     assert reasons["batch-0"].startswith("more than 5 of its lines are not JSON objects (the first: line 2 ")
     assert "refused whole" in reasons["batch-0"]
     assert "not valid UTF-8" in reasons["batch-9"]  # no export row at all: the Python parser's reason
-    assert query(settings.warehouse, "SELECT count(*) FROM quarantine") == [(0,)]
+    assert quarantined == [(0,)]
 
 
 
@@ -342,7 +378,7 @@ def test_an_export_whose_rows_do_not_line_up_with_its_lines_is_refused_not_loade
     scan = export_road._scan_lines
     monkeypatch.setattr(export_road, "_scan_lines",
                         lambda conn, src, trouble, again, *rest: scan(conn, src, {p + 2 for p in trouble}, again, *rest))
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     _, lines = _activation_lines(objects)
     lines[3] = lines[3][:40]
     path = tmp_path / "batch-0.jsonl.gz"
@@ -421,9 +457,13 @@ def test_a_cut_line_in_a_batch_larger_than_duckdbs_cap_is_quarantined_within_2_g
     peak = usage.ru_maxrss * 1024  # KiB on Linux
     assert result == ["succeeded", str(n_rows - 1), "0", "1"]
     assert peak < 2 * 2**30, f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch"
-    assert query(wh, "SELECT count(*), count(DISTINCT activation_id) FROM activations") == [(n_rows - 1, n_rows - 1)]
-    assert query(wh, "SELECT count(*) FROM activations WHERE activation_id = ?", [f"big{cut + 1:08d}"]) == [(1,)]
-    [(record_key, check, detail)] = query(wh, "SELECT record_key, check_name, detail FROM quarantine")
+    counts, ran_on, quarantine = _reads(
+        wh, "SELECT count(*), count(DISTINCT activation_id) FROM activations",
+        ("SELECT count(*) FROM activations WHERE activation_id = ?", [f"big{cut + 1:08d}"]),
+        "SELECT record_key, check_name, detail FROM quarantine")
+    assert counts == [(n_rows - 1, n_rows - 1)]
+    assert ran_on == [(1,)]
+    [(record_key, check, detail)] = quarantine
     assert (record_key, check) == (f"line {cut + 1}", "export_line_is_json_object")
     assert f"line {cut + 1} of " in detail and "is not valid JSON" in detail
     print(f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch")
@@ -468,7 +508,7 @@ def test_an_export_line_has_one_outcome_on_every_road(tmp_path, damage, road, mo
     line is quarantined, by the check it fails, and every other line of its file loads."""
     from pipeline.config import Settings
 
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key, lines = _activation_lines(objects)
     damaged_id = orjson.loads(lines[4])["id"]
     lines[4] = _damaged(lines[4], damage)
@@ -512,10 +552,12 @@ def test_a_page_with_the_same_damage_does_not_load_it_as_a_number(tmp_path, dama
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
     assert (summary.n_rejected, summary.n_activations, summary.n_quarantined) == (0, 2, 1)
-    [(record_key,)] = query(settings.warehouse, "SELECT DISTINCT record_key FROM quarantine")
+    quarantined, as_numbers = _reads(settings.warehouse, "SELECT DISTINCT record_key FROM quarantine",
+                                     "SELECT count(*) FROM activations WHERE feature_index IN (2004, 1904, 12)")
+    [(record_key,)] = quarantined
     assert record_key == act["id"]
     if damage.startswith("index"):
-        assert query(settings.warehouse, "SELECT count(*) FROM activations WHERE feature_index IN (2004, 1904, 12)") == [(0,)]
+        assert as_numbers == [(0,)]
 
 
 def test_the_line_check_finds_lines_across_chunk_seams():
@@ -523,7 +565,7 @@ def test_the_line_check_finds_lines_across_chunk_seams():
     chunks, blank lines, a last line without a newline and a line too long to hold."""
     from pipeline.stages import line_check
 
-    objects = build_bucket(small_pages(range(0, 3), n_activations=3), producer="a")
+    objects = _bucket(range(0, 3), n_activations=3, producer="a")
     _, lines = _activation_lines(objects)
     lines[2] = _damaged(lines[2], "true among the values")
     lines[5] = _damaged(lines[5], "a key twice")
@@ -562,7 +604,7 @@ _RAW_DAMAGES = {
 def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage):
 
     change, loads, check = _RAW_DAMAGES[damage]
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key, lines = _activation_lines(objects)
     damaged_id = orjson.loads(lines[4])["id"]
     lines[4] = change(lines[4])
@@ -571,9 +613,10 @@ def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage)
     seen = {}
     for road, settings, summary in _on_each_road(objects, tmp_path):  # never a crash of the run
         assert summary.n_rejected == 0, (road, summary.rejected)
-        loaded = {i: extra for i, extra in query(settings.warehouse, "SELECT activation_id, extra FROM activations")}
+        rows, checks = _reads(settings.warehouse, "SELECT activation_id, extra FROM activations",
+                              "SELECT record_key, check_name FROM quarantine ORDER BY ALL")
+        loaded = {i: extra for i, extra in rows}
         assert (damaged_id in loaded) is loads and len(loaded) == 11 + loads, road
-        checks = query(settings.warehouse, "SELECT record_key, check_name FROM quarantine ORDER BY ALL")
         assert checks == ([] if check is None else [("line 5", check)]), road
         seen[road] = (loaded, checks)
     assert seen["gzip"] == seen["plain"]
@@ -587,7 +630,7 @@ def test_more_than_the_limit_of_lines_no_record_refuses_the_file_on_every_road(t
     monkeypatch.setattr(stage, "MAX_BAD_LINES", 3)  # as ingest looks it up
     monkeypatch.setattr(export_road, "MAX_BAD_LINES", 3)
     monkeypatch.setattr(export_parse, "MAX_BAD_LINES", 3)  # the Python road's count
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key, lines = _activation_lines(objects)
     for i in (1, 3, 5):
         row = orjson.loads(lines[i])
@@ -606,7 +649,7 @@ def test_a_boolean_field_holding_text_or_a_number_has_one_outcome_on_every_road(
     """DuckDB's typed read took "true" and 1 as hasVector true; the Python road keeps only JSON
     true/false. The line now takes the Python road: has_vector is NULL on both."""
 
-    objects = build_bucket(small_pages(range(0, 4), n_activations=1), producer="a")
+    objects = _bucket(range(0, 4), n_activations=1, producer="a")
     key = next(k for k in objects if "/features/" in k)
     lines = gzip.decompress(objects[key]).splitlines()
     assert b'"hasVector":false' in lines[2]
@@ -635,7 +678,7 @@ def test_unknown_fields_one_name_in_two_cases_are_kept_on_every_road(tmp_path, c
     gzip road made one spelling a column and lost the other's values from ``extra``, where the
     plain road kept both."""
 
-    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    objects = _bucket(range(0, 8), n_activations=3, producer="a", batch_features=4)
     files = {n: list(_activation_lines(objects, n)) for n in (0, 1)}
     expected = {}
     for i, (name, batch, at) in enumerate(_CASE_COLLISIONS[collision]):
@@ -664,7 +707,7 @@ def test_a_field_that_only_later_lines_carry_is_kept_on_every_road(tmp_path, mon
 
     monkeypatch.setattr(line_check, "_ACTIVATION_KEY_LINES", 3)  # LineCheck's window
     monkeypatch.setattr(export_road, "_ACTIVATION_KEY_LINES", 3)  # _file_fields's
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="b")
+    objects = _bucket(range(0, 4), n_activations=3, producer="b")
     key, lines = _activation_lines(objects)
     expected = {}
     for at, name in ((1, "foo"), (5, "late"), (8, "Foo"), (10, "late")):
@@ -700,7 +743,7 @@ def test_a_key_twice_in_an_object_inside_an_export_line_has_one_outcome_on_every
     every road, as one whose own key is written twice; the rest of its file loads."""
 
     table, change = _NESTED_REPEATS[where]
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key = next(k for k in objects if f"/{table}/batch-0" in k)
     lines = gzip.decompress(objects[key]).splitlines()
     lines[2] = change(lines[2])
@@ -709,10 +752,11 @@ def test_a_key_twice_in_an_object_inside_an_export_line_has_one_outcome_on_every
     seen = {}
     for road, settings, summary in _on_each_road(objects, tmp_path):
         assert summary.n_rejected == 0, (road, summary.rejected)
-        [(record_key, check, detail)] = query(settings.warehouse, "SELECT record_key, check_name, detail FROM quarantine")
+        quarantine, loaded = _reads(settings.warehouse, "SELECT record_key, check_name, detail FROM quarantine",
+                                    f"SELECT {id_column}, extra FROM {table} ORDER BY 1")
+        [(record_key, check, detail)] = quarantine
         assert (record_key, check) == (orjson.loads(lines[2])["id"], "export_line_is_a_record"), road
         assert "line 3 of " in detail and "holds the key 'k' twice (in " in detail, detail
-        loaded = query(settings.warehouse, f"SELECT {id_column}, extra FROM {table} ORDER BY 1")
         assert len(loaded) == len(lines) - 1, road
         seen[road] = (loaded, detail.split(": ", 1)[1])
     assert seen["gzip"] == seen["plain"]
@@ -863,7 +907,7 @@ def test_the_fields_a_line_check_saw_are_those_duckdb_reads(tmp_path, monkeypatc
 
     monkeypatch.setattr(line_check, "_ACTIVATION_KEY_LINES", 3)  # LineCheck's window
     monkeypatch.setattr(export_road, "_ACTIVATION_KEY_LINES", 3)  # _file_fields's
-    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    objects = _bucket(range(0, 8), n_activations=3, producer="a", batch_features=4)
     files = {n: list(_activation_lines(objects, n)) for n in (0, 1)}
     for i, (name, batch, at) in enumerate(_CASE_COLLISIONS[collision] + [("late", 0, 9)]):
         lines = files[batch][1]
@@ -892,7 +936,7 @@ def test_an_ingest_of_export_files_reads_no_file_again_for_its_fields(tmp_path, 
         raise AssertionError("an export file was read again for its fields")
 
     monkeypatch.setattr(export_road, "_file_fields", no_second_pass)
-    objects = build_bucket(small_pages(range(0, 8), n_activations=3), producer="a", batch_features=4)
+    objects = _bucket(range(0, 8), n_activations=3, producer="a", batch_features=4)
     key, lines = _activation_lines(objects)
     lines[2] = b'{"Foo":7,' + lines[2][1:]  # a field no column names: a column of this read, kept in extra
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
@@ -909,7 +953,7 @@ def test_a_later_line_holding_a_pages_own_key_refuses_the_file_on_every_road(tmp
     "sourceSet" loaded on the gzip road without that field, where the plain road refused the file
     as pages mixed with export rows. Both refuse it now, for the same reason."""
 
-    objects = build_bucket(small_pages(range(0, 4), n_activations=3), producer="a")
+    objects = _bucket(range(0, 4), n_activations=3, producer="a")
     key, lines = _activation_lines(objects)
     lines[5] = b"{" + page_key + b"," + lines[5][1:]
     objects[key] = gzip.compress(b"\n".join(lines) + b"\n")
@@ -930,7 +974,7 @@ def test_export_files_fill_a_batch_by_three_eighths_of_their_bytes(tmp_path):
     from pipeline.config import Settings
     from pipeline.ingest.intake import EXPORT_BYTES_SHARE
 
-    objects = build_bucket(small_pages(range(30)), batch_features=10)
+    objects = _bucket(range(30), batch_features=10)
     files = []
     for key in sorted(k for k in objects if "/explanations/" in k):
         files.append(tmp_path / "in" / key.replace("/", "__"))
