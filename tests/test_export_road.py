@@ -19,7 +19,7 @@ import pytest
 from hypothesis import strategies as st
 
 from pipeline.stages import spool
-from tests.conftest import open_warehouse, query, run_ingest
+from tests.conftest import open_warehouse, query, reads, run_ingest
 from tests.fake_neuronpedia import build_bucket, small_pages
 
 TABLES = {
@@ -31,7 +31,7 @@ TABLES = {
 SKIP = {"input_sha256", "run_id", "loaded_at", "refreshed_at", "captured_at"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bucket_once(indices: tuple[int, ...], n_activations: int | None, bucket_kw: tuple) -> dict[str, bytes]:
     page_kw = {} if n_activations is None else {"n_activations": n_activations}
     return build_bucket(small_pages(indices, **page_kw), **dict(bucket_kw))
@@ -42,17 +42,6 @@ def _bucket(indices, *, n_activations: int | None = None, **bucket_kw) -> dict[s
     (the pages' deep copies of the seed page are most of it) and handed out as a fresh dict: the
     tests replace files in it, and its values are bytes, which nothing can change."""
     return dict(_bucket_once(tuple(indices), n_activations, tuple(sorted(bucket_kw.items()))))
-
-
-def _reads(warehouse, *statements) -> list[list[tuple]]:
-    """Each of ``statements`` (SQL, or ``(SQL, parameters)``) read through one connection to the
-    warehouse (``query`` opens one each: ~0.35 CPU-s, its extensions loaded and checked)."""
-    out = []
-    with open_warehouse(warehouse) as conn:
-        for statement in statements:
-            sql, params = (statement, []) if isinstance(statement, str) else statement
-            out.append(conn.execute(sql, params).fetchall())
-    return out
 
 
 def _write_bucket(objects: dict[str, bytes], folder: Path, *, plain: bool) -> None:
@@ -244,7 +233,7 @@ def test_a_cut_line_is_quarantined_and_the_rest_of_its_file_loads(tmp_path, cut,
     summary = run_ingest([tmp_path / "in"], settings)
     assert (summary.n_rejected, summary.n_quarantined) == (0, 1)
     assert summary.n_activations == len(ids) - 1 == 23
-    activations, quarantine, rows = _reads(
+    activations, quarantine, rows = reads(
         settings.warehouse, "SELECT activation_id FROM activations",
         "SELECT record_key, check_name, detail, record_json->>'$' FROM quarantine",
         "SELECT origin, status, format, n_activations FROM raw_inputs "
@@ -299,7 +288,7 @@ def test_each_kind_of_bad_line_is_quarantined_and_an_object_without_fields_is_va
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
     assert summary.n_rejected == 0
-    lines_out, by_key, kept_rows = _reads(
+    lines_out, by_key, kept_rows = reads(
         settings.warehouse,
         "SELECT record_key, detail FROM quarantine WHERE check_name = 'export_line_is_json_object' ORDER BY detail",
         "SELECT record_key, list(check_name) FROM quarantine WHERE check_name <> 'export_line_is_json_object' GROUP BY 1",
@@ -357,7 +346,7 @@ def test_an_export_file_that_is_not_json_lines_is_refused_whole(tmp_path, monkey
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
     assert summary.n_rejected == 2 and summary.n_activations == 0
-    rejected, quarantined = _reads(settings.warehouse, "SELECT regexp_extract(origin, 'batch-[0-9]'), reason "
+    rejected, quarantined = reads(settings.warehouse, "SELECT regexp_extract(origin, 'batch-[0-9]'), reason "
                                                        "FROM raw_inputs WHERE status = 'rejected'",
                                    "SELECT count(*) FROM quarantine")
     reasons = dict(rejected)
@@ -457,7 +446,7 @@ def test_a_cut_line_in_a_batch_larger_than_duckdbs_cap_is_quarantined_within_2_g
     peak = usage.ru_maxrss * 1024  # KiB on Linux
     assert result == ["succeeded", str(n_rows - 1), "0", "1"]
     assert peak < 2 * 2**30, f"peak RSS {peak / 2**20:,.0f} MiB for a {expanded / 2**30:.2f} GiB batch"
-    counts, ran_on, quarantine = _reads(
+    counts, ran_on, quarantine = reads(
         wh, "SELECT count(*), count(DISTINCT activation_id) FROM activations",
         ("SELECT count(*) FROM activations WHERE activation_id = ?", [f"big{cut + 1:08d}"]),
         "SELECT record_key, check_name, detail FROM quarantine")
@@ -552,7 +541,7 @@ def test_a_page_with_the_same_damage_does_not_load_it_as_a_number(tmp_path, dama
     settings = Settings(warehouse=tmp_path / "wh")
     summary = run_ingest([tmp_path / "in"], settings)
     assert (summary.n_rejected, summary.n_activations, summary.n_quarantined) == (0, 2, 1)
-    quarantined, as_numbers = _reads(settings.warehouse, "SELECT DISTINCT record_key FROM quarantine",
+    quarantined, as_numbers = reads(settings.warehouse, "SELECT DISTINCT record_key FROM quarantine",
                                      "SELECT count(*) FROM activations WHERE feature_index IN (2004, 1904, 12)")
     [(record_key,)] = quarantined
     assert record_key == act["id"]
@@ -613,7 +602,7 @@ def test_a_line_simdjson_refuses_has_one_outcome_on_every_road(tmp_path, damage)
     seen = {}
     for road, settings, summary in _on_each_road(objects, tmp_path):  # never a crash of the run
         assert summary.n_rejected == 0, (road, summary.rejected)
-        rows, checks = _reads(settings.warehouse, "SELECT activation_id, extra FROM activations",
+        rows, checks = reads(settings.warehouse, "SELECT activation_id, extra FROM activations",
                               "SELECT record_key, check_name FROM quarantine ORDER BY ALL")
         loaded = {i: extra for i, extra in rows}
         assert (damaged_id in loaded) is loads and len(loaded) == 11 + loads, road
@@ -752,7 +741,7 @@ def test_a_key_twice_in_an_object_inside_an_export_line_has_one_outcome_on_every
     seen = {}
     for road, settings, summary in _on_each_road(objects, tmp_path):
         assert summary.n_rejected == 0, (road, summary.rejected)
-        quarantine, loaded = _reads(settings.warehouse, "SELECT record_key, check_name, detail FROM quarantine",
+        quarantine, loaded = reads(settings.warehouse, "SELECT record_key, check_name, detail FROM quarantine",
                                     f"SELECT {id_column}, extra FROM {table} ORDER BY 1")
         [(record_key, check, detail)] = quarantine
         assert (record_key, check) == (orjson.loads(lines[2])["id"], "export_line_is_a_record"), road
@@ -898,7 +887,7 @@ def _fields_both_ways(tmp_path, objects: dict[str, bytes]) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize("collision", list(_CASE_COLLISIONS))
-def test_the_fields_a_line_check_saw_are_those_duckdb_reads(tmp_path, monkeypatch, collision):
+def test_the_fields_a_line_check_saw_are_those_duckdbreads(tmp_path, monkeypatch, collision):
     """read_exports takes each file's unknown fields from its LineCheck (seen while the file was
     measured) instead of a second DuckDB pass over every file (~9 % of a whole source's CPU):
     the same columns and the same other spellings either way, a late field past an activation
