@@ -196,7 +196,7 @@ def write_run_report(conn: duckdb.DuckDBPyConnection, summary: RunSummary, setti
     ``RunSummary.elapsed``); a failure here is logged, not raised (False)."""
     try:
         from ..outputs import (
-            report,  # charts pull in Altair and vl-convert: only when a report is wanted
+            report,  # charts start vl-convert's renderer: only when a report is wanted
         )
 
         with summary.timed("report"):

@@ -338,7 +338,7 @@ class _Run:
     def _warmed_up(self) -> None:
         """Wait for the import of Great Expectations started in a thread, if any. A batch with
         no record left to judge, or one that failed, did not wait for it: no other thread may
-        import its modules (or the report's altair, pandas) beside it, as Python's import locks
+        import its modules (or pandas) beside it, as Python's import locks
         can deadlock two threads importing the same packages."""
         if self._warming is not None:
             self._warming.join()

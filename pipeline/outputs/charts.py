@@ -1,6 +1,6 @@
 """The run report's charts: what they draw, binned or gridded by DuckDB (so that a chart's size
-does not grow with the warehouse: a whole source has 262,144 features), built with Altair and
-drawn to inline SVG by the renderer's child process (``draw.py``), with drawn charts cached
+does not grow with the warehouse: a whole source has 262,144 features), written as Vega-Lite specs
+and drawn to inline SVG by the renderer's child process (``draw.py``), with drawn charts cached
 under ``<reports>/.charts/``. ``warm_charts`` starts the renderer ahead of the report.
 
 ``report_data.py`` reads the rest of what the page shows; ``report.py`` writes it.
@@ -9,7 +9,6 @@ under ``<reports>/.charts/``. ``warm_charts`` starts the renderer ahead of the r
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import itertools
 import json
@@ -24,7 +23,6 @@ from typing import Any
 
 import duckdb
 
-from ..stages import validate
 from . import draw
 
 __all__ = ["warm_charts"]
@@ -38,44 +36,53 @@ _FONT = "Inter, -apple-system, 'Segoe UI', Roboto, Helvetica, Arial, sans-serif"
 _DS_COLORS = {"Chat": "#4c78a8", "Non-Chat": "#f58518", "(none)": "#9d9d9d"}
 
 
-@functools.lru_cache(maxsize=1)
-def _alt():
-    with validate.heavy_imports():  # only when a report is drawn
-        import altair as alt
+#: The page's look, as every chart's Vega-Lite ``config`` (what Altair's ``configure_*`` wrote,
+#: its default view size included, so that a chart is drawn as it was).
+_CONFIG = {
+    "view": {"continuousWidth": 300, "continuousHeight": 300, "stroke": "#e5e7eb"},
+    "axis": {"domainColor": "#9ca3af", "gridColor": "#eef0f3", "labelColor": "#374151", "labelFontSize": 11,
+             "labelOverlap": "greedy", "titleColor": "#374151", "titleFontSize": 11, "titleFontWeight": 500},
+    "background": "white", "font": _FONT,
+    "header": {"labelColor": "#111827", "labelFontSize": 11, "titleFontSize": 11},
+    "legend": {"labelFontSize": 11, "orient": "top", "titleFontSize": 11},
+}
+_SCHEMA = "https://vega.github.io/schema/vega-lite/v6.json"
 
-    # Altair validates every object against the Vega-Lite schema as it is built (its "debug
-    # mode"): ~1 s of jsonschema a report, for charts this module builds the same way every time
-    # (tests/test_report.py draws each; vl-convert refuses a spec that is wrong)
-    alt.utils.schemapi.disable_debug_mode()
-    return alt
+
+def _spec(**chart: Any) -> dict[str, Any]:
+    """A whole Vega-Lite spec: ``chart``'s keys with the page's look.
+
+    The specs are written as the JSON Vega-Lite reads, not built with Altair: Altair's import
+    (with jsonschema and narwhals) cost ~0.15-0.46 CPU-s in every process that drew a report,
+    and its data handling pandas' (~0.33 CPU-s), to write five small dicts; the specs are the
+    same as it wrote (checked by drawing both: tests/test_report.py draws every chart)."""
+    return {"config": _CONFIG, **chart, "$schema": _SCHEMA}
 
 
-def _theme(chart):
-    return chart.configure(font=_FONT, background="white").configure_view(stroke="#e5e7eb").configure_axis(
-        labelColor="#374151", titleColor="#374151", gridColor="#eef0f3", domainColor="#9ca3af",
-        titleFontWeight=500, labelFontSize=11, titleFontSize=11, labelOverlap="greedy",
-    ).configure_header(labelFontSize=11, titleFontSize=11, labelColor="#111827").configure_legend(
-        labelFontSize=11, titleFontSize=11, orient="top")
+def _data(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Inline data of a chart: its rows, a number that is no number (NaN, infinite) as null,
+    as Vega-Lite's JSON has them."""
+    return {"values": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()}
+                       for r in rows]}
 
 
 _counter = itertools.count()
 
 def warm_charts() -> None:
     """Start the chart renderer (a child process, see ``draw.py``: ~0.4 s of one core there for
-    its JavaScript engine) so that the first real chart does not wait for it, and import Altair.
-    ``ingest`` calls it while its last batch loads. Raises ``draw.DrawerUnavailable`` when the
-    renderer cannot start (the report then says its charts are not drawn)."""
+    its JavaScript engine) so that the first real chart does not wait for it. ``ingest`` calls
+    it while its last batch loads. Raises ``draw.DrawerUnavailable`` when the renderer cannot
+    start (the report then says its charts are not drawn)."""
     draw.start()
-    _alt()
 
 
-def _svg_cached(chart, cache: Path | None = None) -> str:
-    """Render an Altair chart to SVG, with its element ids made unique within the page.
+def _svg_cached(spec: dict[str, Any], cache: Path | None = None) -> str:
+    """Draw a chart's Vega-Lite ``spec`` as SVG, with its element ids made unique within the page.
 
     With ``cache`` (a folder), a chart whose Vega-Lite spec (its data included) was drawn before
     is read back instead of drawn again: an unchanged warehouse redraws nothing but its trend.
     """
-    spec = _xml_safe(_theme(chart).to_dict(validate=False))  # (the module's own charts: see _alt)
+    spec = _xml_safe(spec)
     svg = None
     if cache is not None:
         key = hashlib.sha256(json.dumps([draw.renderer_version(), spec], sort_keys=True, default=str).encode()).hexdigest()
@@ -152,12 +159,12 @@ def _histogram(conn: duckdb.DuckDBPyConnection, values_sql: str, bins: int = 24,
     with the number of features (a whole source has 262,144). ``values_sql`` gives ``source``,
     ``data_source`` and ``x``; the bins are shared across the data sources of one source, over
     the ``_MAX_SOURCES_CHARTED`` sources with the most rows. ``log``: bins of log10(x), x > 0.
-    Returns (the bins as a DataFrame: source, data_source, start, end, count; how many sources
-    were left out)."""
+    Returns (the bins as rows: source, data_source, start, end, count; how many sources were
+    left out)."""
     x = "log10(x)" if log else "x"
     pad = "0.25" if log else "greatest(abs(lo) * 0.05, 0.5)"
     edge = (lambda e: f"pow(10, {e})") if log else (lambda e: e)
-    df = conn.execute(f"""
+    bins = _records(conn, f"""
         WITH v AS (SELECT source, data_source, {x}::DOUBLE AS x FROM ({values_sql})
                    WHERE x IS NOT NULL AND isfinite(x::DOUBLE){' AND x > 0' if log else ''}),
         top AS (SELECT source FROM v GROUP BY source ORDER BY count(*) DESC, source LIMIT {_MAX_SOURCES_CHARTED}),
@@ -169,10 +176,16 @@ def _histogram(conn: duckdb.DuckDBPyConnection, values_sql: str, bins: int = 24,
               FROM v JOIN w USING (source))
         SELECT source, data_source, {edge('lo + bin * width')} AS start, {edge('lo + (bin + 1) * width')} AS "end",
                count(*) AS count
-        FROM b GROUP BY source, data_source, lo, width, bin ORDER BY source, data_source, bin""").df()
+        FROM b GROUP BY source, data_source, lo, width, bin ORDER BY source, data_source, bin""")
     hidden = conn.execute(f"SELECT greatest(count(DISTINCT source) - {_MAX_SOURCES_CHARTED}, 0) FROM ({values_sql}) "
                           "WHERE x IS NOT NULL").fetchone()[0]
-    return df, int(hidden)
+    return bins, int(hidden)
+
+
+def _records(conn: duckdb.DuckDBPyConnection, sql: str) -> list[dict[str, Any]]:
+    cur = conn.execute(sql)
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
 #: Up to this many features the Chat vs Non-Chat chart draws a point each; past it, counts per
@@ -193,22 +206,21 @@ def _chat_pairs(conn: duckdb.DuckDBPyConnection, stats: str) -> dict[str, Any]:
     hi = float(hi or 0)
     hi = (hi * 1.05 if math.isfinite(hi * 1.05) else hi) or 1.0  # (1.75e308 * 1.05 is no number)
     if n <= _SCATTER_POINTS:
-        return {"n": n, "hi": hi, "points": conn.execute(pairs).df(), "cells": None}
+        return {"n": n, "hi": hi, "points": _records(conn, pairs), "cells": None}
     k, step = _SCATTER_CELLS, hi / _SCATTER_CELLS
-    cells = conn.execute(f"""
+    cells = [{**c, "x0": c["cx"] * step, "x1": (c["cx"] + 1) * step, "y0": c["cy"] * step, "y1": (c["cy"] + 1) * step}
+             for c in _records(conn, f"""
         SELECT least(floor(non_chat_max / {step}), {k - 1})::INTEGER AS cx,
                least(floor(chat_max / {step}), {k - 1})::INTEGER AS cy, count(*) AS count
-        FROM ({pairs}) GROUP BY ALL ORDER BY ALL""").df()  # in order: the same spec, the chart cache's hit
-    cells = cells.assign(x0=cells["cx"] * step, x1=(cells["cx"] + 1) * step,
-                         y0=cells["cy"] * step, y1=(cells["cy"] + 1) * step)
+        FROM ({pairs}) GROUP BY ALL ORDER BY ALL""")]  # in order: the same spec, the chart cache's hit
     return {"n": n, "hi": hi, "points": None, "cells": cells}
 
 
-def _ds_scale(alt, values):
+def _ds_scale(values) -> dict[str, list]:
     domain = sorted(values, key=lambda v: (v not in _DS_COLORS, list(_DS_COLORS).index(v) if v in _DS_COLORS else 0, v))
     palette = ["#54a24b", "#e45756", "#72b7b2", "#b279a2", "#eeca3b"]
     rng = [_DS_COLORS.get(v) or palette[i % len(palette)] for i, v in enumerate(domain)]
-    return alt.Scale(domain=domain, range=rng)
+    return {"domain": domain, "range": rng}
 
 
 def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
@@ -225,8 +237,6 @@ def _charts(ctx: dict[str, Any], cache: Path | None = None) -> dict[str, Any]:
 
 
 def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None) -> None:
-    alt = _alt()
-
     def chart(name: str, build) -> None:
         try:
             charts[name] = build()
@@ -236,117 +246,139 @@ def _draw_charts(ctx: dict[str, Any], charts: dict[str, Any], cache: Path | None
             log.warning("the report's %s chart is not drawn: %s", name, str(exc).splitlines()[0][:300])
             charts["not_drawn"].append({"chart": name, "why": str(exc).splitlines()[0][:300]})
 
-    def _svg(c) -> str:
-        return _svg_cached(c, cache)
+    def _svg(spec: dict[str, Any]) -> str:
+        return _svg_cached(spec, cache)
+
+    def q(field: str, **more: Any) -> dict[str, Any]:  # an encoding channel: a quantitative field
+        return {"field": field, "type": "quantitative", **more}
 
     h = ctx["hist_max_activation"]
-    if len(h):
-        n_ds, one = h["data_source"].nunique(), h["source"].nunique() == 1
+    if h:
+        data_sources = list(dict.fromkeys(r["data_source"] for r in h))
+        n_ds, one = len(data_sources), len({r["source"] for r in h}) == 1
         # one source: its name heads the chart, each panel is named by its data source alone
-        h = h.assign(panel=h["data_source"] if one else h["source"] + "  ·  " + h["data_source"])
-        chart("max_activation", lambda: _svg(
-            alt.Chart(h).mark_bar(stroke="white", strokeWidth=0.5).encode(
-                x=alt.X("start:Q", title="feature max activation", scale=alt.Scale(zero=False),
-                        axis=alt.Axis(tickCount=5)),  # vl-convert ignores labelOverlap: few enough not to touch
-                x2="end:Q",
-                y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
-                y2=alt.datum(0),
-                color=alt.Color("data_source:N", title="data source", scale=_ds_scale(alt, h["data_source"].unique()),
-                                legend=None),
-            ).properties(width=250 if n_ds > 2 else 320, height=110).facet(
-                facet=alt.Facet("panel:N", title=h["source"].iloc[0] if one else None,
-                                header=alt.Header(labelFontWeight="bold", labelAnchor="start", labelFontSize=11.5,
-                                                  labelLimit=250 if n_ds > 2 else 320, titleFontSize=11.5,
-                                                  titleAnchor="start", titleFontWeight="normal")),
-                columns=min(n_ds, 3), spacing={"row": 14, "column": 22},
-            ).resolve_scale(x="independent", y="independent")  # each source's own range: a small one is not flattened
-        ))
+        h = [{**r, "panel": r["data_source"] if one else f"{r['source']}  ·  {r['data_source']}"} for r in h]
+        chart("max_activation", lambda: _svg(_spec(
+            data=_data(h),
+            facet={"field": "panel", "type": "nominal", "title": h[0]["source"] if one else None,
+                   "header": {"labelAnchor": "start", "labelFontSize": 11.5, "labelFontWeight": "bold",
+                              "labelLimit": 250 if n_ds > 2 else 320, "titleAnchor": "start",
+                              "titleFontSize": 11.5, "titleFontWeight": "normal"}},
+            spec={"mark": {"type": "bar", "stroke": "white", "strokeWidth": 0.5},
+                  "encoding": {
+                      # vl-convert ignores labelOverlap: few enough ticks not to touch
+                      "x": q("start", title="feature max activation", scale={"zero": False}, axis={"tickCount": 5}),
+                      "x2": {"field": "end"},
+                      "y": q("count", title="features",
+                             axis={"format": "d", "values": _int_ticks(max(r["count"] for r in h))}),
+                      "y2": {"datum": 0},
+                      "color": {"field": "data_source", "type": "nominal", "title": "data source",
+                                "scale": _ds_scale(data_sources), "legend": None}},
+                  "width": 250 if n_ds > 2 else 320, "height": 110},
+            columns=min(n_ds, 3), spacing={"row": 14, "column": 22},
+            # each source's own range: a small one is not flattened
+            resolve={"scale": {"x": "independent", "y": "independent"}},
+        )))
         charts["hidden_sources"] = ctx["hidden_sources"]
     h = ctx["hist_frac_nonzero"]
-    if len(h):
-        chart("frac_nonzero", lambda: _svg(
-            alt.Chart(h).mark_bar(color="#54a24b", stroke="white", strokeWidth=0.5).encode(
-                # a percentage of tokens, as the tables write it (review: "frac_nonzero", 3e-5)
-                x=alt.X("start:Q", title="firing density, % of tokens (log scale)", scale=alt.Scale(type="log"),
-                        axis=alt.Axis(values=_log_ticks(h), labelExpr="format(datum.value * 100, '.2~r') + '%'")),
-                x2="end:Q",
-                y=alt.Y("count:Q", title="features", axis=alt.Axis(values=_int_ticks(h["count"].max()), format="d")),
-                y2=alt.datum(0),
-            ).properties(width=320, height=110).facet(
-                facet=alt.Facet("source:N", title=None, header=alt.Header(labelFontWeight="bold", labelAnchor="start",
-                                                                           labelFontSize=11.5)),
-                columns=1, spacing=14,
-            ).resolve_scale(x="independent", y="independent")
-        ))
+    if h:
+        chart("frac_nonzero", lambda: _svg(_spec(
+            data=_data(h),
+            facet={"field": "source", "type": "nominal", "title": None,
+                   "header": {"labelAnchor": "start", "labelFontSize": 11.5, "labelFontWeight": "bold"}},
+            spec={"mark": {"type": "bar", "color": "#54a24b", "stroke": "white", "strokeWidth": 0.5},
+                  "encoding": {
+                      # a percentage of tokens, as the tables write it (review: "frac_nonzero", 3e-5)
+                      "x": q("start", title="firing density, % of tokens (log scale)", scale={"type": "log"},
+                             axis={"values": _log_ticks(h),
+                                   "labelExpr": "format(datum.value * 100, '.2~r') + '%'"}),
+                      "x2": {"field": "end"},
+                      "y": q("count", title="features",
+                             axis={"format": "d", "values": _int_ticks(max(r["count"] for r in h))}),
+                      "y2": {"datum": 0}},
+                  "width": 320, "height": 110},
+            columns=1, spacing=14,
+            resolve={"scale": {"x": "independent", "y": "independent"}},
+        )))
         charts["n_frac_zero"] = ctx["n_frac_zero"]
     cp = ctx["chat_pairs"]
     if cp["n"]:
         hi = cp["hi"]
-        diag = alt.Chart(alt.Data(values=[{"v": 0}, {"v": hi}])).mark_line(
-            color="#9ca3af", strokeDash=[4, 4]).encode(x="v:Q", y="v:Q")
+        diag = {"data": {"values": [{"v": 0}, {"v": hi}]},
+                "mark": {"type": "line", "color": "#9ca3af", "strokeDash": [4, 4]},
+                "encoding": {"x": q("v"), "y": q("v")}}
         x_title, y_title = "max activation on Non-Chat", "max activation on Chat"
-        axes = {"scale": alt.Scale(domain=[0, hi], nice=False)}
+        scale = {"domain": [0, hi], "nice": False}
         if cp["points"] is not None:
-            pts = alt.Chart(cp["points"]).mark_circle(size=46, opacity=0.75, color="#4c78a8", stroke="#1f3b5c",
-                                                      strokeWidth=0.6).encode(
-                x=alt.X("non_chat_max:Q", title=x_title, **axes), y=alt.Y("chat_max:Q", title=y_title, **axes))
+            pts = {"data": _data(cp["points"]),
+                   "mark": {"type": "circle", "color": "#4c78a8", "opacity": 0.75, "size": 46, "stroke": "#1f3b5c",
+                            "strokeWidth": 0.6},
+                   "encoding": {"x": q("non_chat_max", title=x_title, scale=scale),
+                                "y": q("chat_max", title=y_title, scale=scale)}}
         else:  # a whole source: how many features in each cell, the scale said on the chart
-            pts = alt.Chart(cp["cells"]).mark_rect().encode(
-                x=alt.X("x0:Q", title=x_title, **axes), x2="x1:Q",
-                y=alt.Y("y0:Q", title=y_title, **axes), y2="y1:Q",
-                color=alt.Color("count:Q", title="features", scale=alt.Scale(type="log", scheme="blues")),
-            )
+            pts = {"data": _data(cp["cells"]), "mark": {"type": "rect"},
+                   "encoding": {"x": q("x0", title=x_title, scale=scale), "x2": {"field": "x1"},
+                                "y": q("y0", title=y_title, scale=scale), "y2": {"field": "y1"},
+                                "color": q("count", title="features", scale={"type": "log", "scheme": "blues"})}}
             charts["chat_cells"] = {"n": cp["n"], "k": _SCATTER_CELLS}
-        chart("chat_vs_non_chat", lambda: _svg((pts + diag).properties(width=300, height=300)))
+        chart("chat_vs_non_chat", lambda: _svg(_spec(layer=[pts, diag], width=300, height=300)))
     tf = ctx["top_features"]
     if tf:
-        import pandas as pd
-
         rows = [{"label": f"#{f['feature_index']}  {_short(f['explanation'] or '(no explanation)', 38)}",
                  "source": f"{f['source_id']}", "max_activation": f["max_activation"],
                  "data_source": f["data_source"], "rank": i} for i, f in enumerate(tf)]
-        df = pd.DataFrame(rows)
-        chart("top_features", lambda: _svg(
-            alt.Chart(df).mark_bar(height={"band": 0.75}).encode(
-                y=alt.Y("label:N", sort=alt.EncodingSortField("rank"), title=None,
-                        axis=alt.Axis(labelLimit=330, labelFontSize=11)),
-                x=alt.X("max_activation:Q", title="max activation", axis=alt.Axis(tickCount=4, format="~s")),
-                color=alt.Color("data_source:N", title="strongest on", scale=_ds_scale(alt, df["data_source"].unique())),
-            ).properties(width=380, height=alt.Step(18),
-                         # the browser's font sets the labels wider than vl-convert measured them
-                         padding={"left": 48, "top": 5, "right": 5, "bottom": 5})
-        ))
+        chart("top_features", lambda: _svg(_spec(
+            data=_data(rows),
+            mark={"type": "bar", "height": {"band": 0.75}},
+            encoding={
+                "y": {"field": "label", "type": "nominal", "sort": {"field": "rank"}, "title": None,
+                      "axis": {"labelLimit": 330, "labelFontSize": 11}},
+                "x": q("max_activation", title="max activation", axis={"tickCount": 4, "format": "~s"}),
+                "color": {"field": "data_source", "type": "nominal", "title": "strongest on",
+                          "scale": _ds_scale(list(dict.fromkeys(r["data_source"] for r in rows)))}},
+            width=380, height={"step": 18},
+            # the browser's font sets the labels wider than vl-convert measured them
+            padding={"left": 48, "top": 5, "right": 5, "bottom": 5},
+        )))
     tr = ctx["trend"]
-    if len(tr):
-        import pandas as pd
-
-        tr = tr.assign(order=range(_TREND_RUNS - len(tr), _TREND_RUNS), is_this=tr["run_id"] == ctx["run"]["run_id"],
-                       label=[f"{t:%m-%d %H:%M}" for t in tr["started_at"]])
+    if tr:
+        this = ctx["run"]["run_id"]
+        runs = [{"order": _TREND_RUNS - len(tr) + i, "label": f"{t['started_at']:%m-%d %H:%M}",
+                 "is_this": t["run_id"] == this, "run_id": t["run_id"]} for i, t in enumerate(tr)]
         metrics = [("rows_loaded", "rows loaded", "~s"), ("n_rejected", "inputs rejected", "d"),
                    ("n_quarantined", "records quarantined", "d"), ("failure_rate", "expectation failure rate %", ".1f")]
         panels = []
         for col, title, fmt in metrics:
-            d = tr[["order", "label", "is_this", "run_id"]].assign(value=pd.to_numeric(tr[col], errors="coerce").fillna(0))
-            top = float(d["value"].max())
+            d = [{**r, "value": _number(t[col])} for r, t in zip(runs, tr)]
+            top = float(max(r["value"] for r in d))
             if fmt == "d":
                 ticks = _int_ticks(top, 3)
-                axis, scale = alt.Axis(format=fmt, values=ticks), alt.Scale(domain=[0, ticks[-1]])
+                axis, scale = {"format": fmt, "values": ticks}, {"domain": [0, ticks[-1]]}
             else:
-                axis, scale = alt.Axis(format=fmt, tickCount=3), alt.Scale(domainMin=0, domainMax=max(top, 1.0), nice=True)
-            panel = alt.Chart(d).mark_bar(width={"band": 0.8}).encode(
-                x=alt.X("order:O", scale=alt.Scale(domain=list(range(_TREND_RUNS))),
-                        axis=alt.Axis(labels=False, ticks=False, title=f"last {_TREND_RUNS} runs, oldest → newest")),
-                y=alt.Y("value:Q", title=None, scale=scale, axis=axis),
-                color=alt.condition("datum.is_this", alt.value("#1f2937"), alt.value("#a5b4c8")),
-            ).properties(width=190, height=80)
+                axis, scale = {"format": fmt, "tickCount": 3}, {"domainMin": 0, "domainMax": max(top, 1.0), "nice": True}
+            panel = _spec(
+                data=_data(d), mark={"type": "bar", "width": {"band": 0.8}},
+                encoding={
+                    "x": {"field": "order", "type": "ordinal", "scale": {"domain": list(range(_TREND_RUNS))},
+                          "axis": {"labels": False, "ticks": False, "title": f"last {_TREND_RUNS} runs, oldest → newest"}},
+                    "y": q("value", title=None, scale=scale, axis=axis),
+                    "color": {"condition": {"test": "datum.is_this", "value": "#1f2937"}, "value": "#a5b4c8"}},
+                width=190, height=80)
             panels.append({"title": title, "chart": panel})
         chart("trend", lambda: [{"title": p["title"], "svg": _svg(p["chart"])} for p in panels])
 
 
-def _log_ticks(h) -> list[float]:
+def _number(v: Any) -> float | int:
+    """A trend's value as a number to draw: a missing one (no expectations: no failure rate) as 0."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return 0
+    return v if isinstance(v, (int, float)) else float(v)
+
+
+def _log_ticks(h: list[dict[str, Any]]) -> list[float]:
     """Ticks for a log axis over the bins ``h`` (start, end): the powers of ten inside, and 2x
     and 5x them when there are few (vl-convert draws every tick label Vega gives, overlapping)."""
-    lo, hi = float(h["start"].min()), float(h["end"].max())
+    lo, hi = float(min(r["start"] for r in h)), float(max(r["end"] for r in h))
     first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
     mults = (1,) if last - first > 3 else (1, 2, 5)
     ticks = [m * 10.0**e for e in range(first, last + 1) for m in mults if lo <= m * 10.0**e <= hi]

@@ -3,7 +3,7 @@
 ``write_report`` reads what a run did from the warehouse (``runs``, ``run_inputs``,
 ``raw_inputs``, ``validation_results``, ``quarantine`` and the activation statistics tables) and
 writes ``<reports dir>/<run_id>.html`` plus ``<reports dir>/index.html``. The page needs no
-network: its CSS is inline and its charts are Vega-Lite (built with Altair) rendered to inline
+network: its CSS is inline and its charts are Vega-Lite specs (``charts.py``) rendered to inline
 SVG by vl-convert. It also builds Great Expectations' Data Docs for the run (file data context
 under ``<warehouse dir>/gx/``) and links to them.
 

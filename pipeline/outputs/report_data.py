@@ -153,7 +153,7 @@ def _gather(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, A
     loaded (or, when it loaded nothing, over the whole warehouse) and the runs' trend."""
     ctx = _gather_run(conn, run)
     _gather_warehouse(conn, run, ctx)
-    ctx["trend"] = conn.execute(_TREND_SQL, [run["started_at"], _TREND_RUNS]).df().iloc[::-1].reset_index(drop=True)
+    ctx["trend"] = _rows(conn, _TREND_SQL, [run["started_at"], _TREND_RUNS])[::-1]
     return ctx
 
 
