@@ -200,3 +200,32 @@ def test_the_report_of_a_run_that_changed_nothing_records_the_runs_waiting(tmp_p
     assert not list(pending.rglob("*.json"))
     index = (settings.warehouse / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html").read_text()
     assert all(r in index for r in runs)
+
+
+def test_a_report_of_a_run_whose_data_docs_are_built_imports_no_great_expectations(tmp_path):
+    """`featurehouse report` again, every page built and linked from the index: nothing to build,
+    so no Great Expectations (2.5-6 CPU-s of import); an index that does not link a stored result
+    (another process stored it while the index was built) is built again."""
+    from pipeline.stages import validate
+
+    settings, runs = _runs_waiting(tmp_path, 2)
+    validate.build_data_docs(settings.warehouse, runs[1])  # the report command's: every run recorded
+    site = settings.warehouse / "gx" / "uncommitted" / "data_docs" / "local_site"
+    index = site / "index.html"
+    code = ("import sys\nfrom pipeline.stages import validate\n"
+            "pages = validate.build_data_docs(sys.argv[1], sys.argv[2])\n"
+            "print(len(pages), 'GX' if 'great_expectations' in sys.modules else 'NO-GX')")
+
+    def again(run_id: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code, str(settings.warehouse), run_id], capture_output=True,
+                              text=True, env=_env(), cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    assert again(runs[0]) == "3 NO-GX"  # its three suites' pages, read off the folders
+    page = next((site / "validations").rglob(f"*/{runs[0]}/*/*.html")).relative_to(site).as_posix()
+    assert page in index.read_text()
+    index.write_text(index.read_text().replace(page, "elsewhere.html"))
+    assert again(runs[1]) == "3 GX"  # an index missing a result: built again, with it
+    assert page in index.read_text()
+    assert again(runs[1]) == "3 NO-GX"
