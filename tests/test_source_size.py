@@ -179,3 +179,35 @@ def test_a_renderer_killed_by_a_signal_without_a_name_is_said(tmp_path):
     finally:
         drawer._stop()
     assert why.startswith("the chart renderer stopped (signal ") and str(int(signal.SIGRTMIN) + 6) in why
+
+
+def test_the_renderer_starts_without_being_waited_for_and_answers_the_next_chart(tmp_path):
+    """``start`` (the ingest's, while its last batch loads) hands the child the smallest chart
+    and goes on; the first real chart reads that answer first and gets its own. A child that
+    dies while its engine starts is said by that first chart."""
+    import signal
+
+    from pipeline.outputs import draw
+
+    spec = {"data": {"values": [{"x": 1}]}, "mark": "point", "title": "featurehouse-marker",
+            "encoding": {"x": {"field": "x", "type": "quantitative"}}}
+    drawer = draw._Drawer()
+    try:
+        drawer.warm()
+        assert drawer.unread == 1 and drawer.drawn == 0  # not read yet: nothing waited for it
+        drawer.warm()  # started once
+        assert drawer.unread == 1
+        assert "featurehouse-marker" in drawer.draw(spec) and drawer.unread == 0
+        assert "featurehouse-marker" in drawer.draw(spec)
+    finally:
+        drawer._stop()
+    dying = draw._Drawer()
+    try:
+        dying.warm()
+        os.kill(dying.proc.pid, signal.SIGKILL)
+        with pytest.raises(draw.DrawerUnavailable, match="stopped .signal SIGKILL"):
+            dying.draw(spec)
+        with pytest.raises(draw.DrawerUnavailable):  # said once, not tried again
+            dying.warm()
+    finally:
+        dying._stop()

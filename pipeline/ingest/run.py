@@ -348,7 +348,8 @@ class _Run:
         """Do the report's work that needs no committed state in the main thread, which has
         nothing else to do while the loader thread writes and commits the last batch: start
         the chart renderer (a child process: its JavaScript engine takes ~0.4 s of one core to
-        start, see ``outputs/draw.py``) and build the run's Great Expectations Data Docs pages
+        start, see ``outputs/draw.py``; not waited for: the first chart waits for what is left)
+        and build the run's Great Expectations Data Docs pages
         (its results are all stored by then). Only then: a run with no batch to load (an
         unchanged re-run) starts no renderer. What fails here the report does itself, or says
         why it cannot (a renderer that cannot start leaves the report without charts).

@@ -62,6 +62,7 @@ class _Drawer:
         self.err: Any = None
         self.broken: str | None = None  # why it cannot draw: said once, not tried again
         self.drawn = 0
+        self.unread = 0  # answers to warm-up specs (``start``) not read yet
 
     def _spawn(self) -> subprocess.Popen:
         self.err = tempfile.TemporaryFile()  # V8's last words (its fatal error) are read from here
@@ -93,7 +94,7 @@ class _Drawer:
         return f"the chart renderer stopped ({how}{': ' + said[:200] if said else ''}){hint}"
 
     def _stop(self) -> None:
-        proc, self.proc = self.proc, None
+        proc, self.proc, self.unread = self.proc, None, 0
         if proc is not None:
             for f in (proc.stdin, proc.stdout):
                 try:
@@ -109,6 +110,23 @@ class _Drawer:
             self.err.close()
             self.err = None
 
+    def warm(self) -> None:
+        """Start the child and hand it the smallest chart, without waiting for its answer (read
+        before the first real chart's): its engine starts while this process goes on."""
+        with self.lock:
+            if self.broken is not None:
+                raise DrawerUnavailable(self.broken)
+            if self.proc is not None:
+                return
+            self.proc = self._spawn()
+            try:
+                self._send(self.proc, TINY_SPEC)
+            except DrawerUnavailable as exc:
+                self._stop()
+                self.broken = str(exc)
+                raise
+            self.unread += 1
+
     def draw(self, spec: dict) -> str:
         with self.lock:
             if self.broken is not None:
@@ -117,6 +135,9 @@ class _Drawer:
                 if self.proc is None:
                     self.proc = self._spawn()
                 try:
+                    while self.unread:  # the warm-up's answer (its chart is not wanted)
+                        self._answer(self.proc)
+                        self.unread -= 1
                     svg = self._ask(self.proc, spec)
                 except DrawerUnavailable as exc:
                     self._stop()
@@ -129,18 +150,28 @@ class _Drawer:
         raise AssertionError("unreachable")
 
     def _ask(self, proc: subprocess.Popen, spec: dict) -> str:
+        self._send(proc, spec)
+        code, payload = self._answer(proc)
+        if code != b"k":
+            raise ChartFailed(payload)
+        return payload
+
+    def _send(self, proc: subprocess.Popen, spec: dict) -> None:
         body = json.dumps(spec, default=str).encode()
         try:
             proc.stdin.write(struct.pack(">I", len(body)) + body)
             proc.stdin.flush()
+        except (BrokenPipeError, ConnectionError, OSError):
+            raise DrawerUnavailable(self._why_stopped(proc)) from None
+
+    def _answer(self, proc: subprocess.Popen) -> tuple[bytes, str]:
+        """The next answer: ``k`` and the SVG, or ``e`` and why the chart was refused."""
+        try:
             head = self._read(proc, 5)
             code, n = head[:1], struct.unpack(">I", head[1:])[0]
-            payload = self._read(proc, n).decode("utf-8", "replace")
-        except (BrokenPipeError, ConnectionError, EOFError, OSError):
+            return code, self._read(proc, n).decode("utf-8", "replace")
+        except (ConnectionError, EOFError, OSError):
             raise DrawerUnavailable(self._why_stopped(proc)) from None
-        if code != b"k":
-            raise ChartFailed(payload)
-        return payload
 
     def _read(self, proc: subprocess.Popen, n: int) -> bytes:
         out = bytearray()
@@ -179,8 +210,10 @@ TINY_SPEC = {"data": {"values": [{"x": 1}]}, "mark": "point", "encoding": {"x": 
 
 def start() -> None:
     """Start the renderer and its engine (~0.4 s of one core in the child) ahead of the first
-    real chart. Raises :class:`DrawerUnavailable` when it cannot."""
-    draw_svg(TINY_SPEC)
+    real chart, without waiting for it: the first chart waits for what is left of it. Raises
+    :class:`DrawerUnavailable` when the child cannot start (one that stops while its engine
+    starts is said by the first chart)."""
+    _drawer.warm()
 
 
 def drew_any() -> bool:
