@@ -229,3 +229,28 @@ def test_a_report_of_a_run_whose_data_docs_are_built_imports_no_great_expectatio
     assert again(runs[1]) == "3 GX"  # an index missing a result: built again, with it
     assert page in index.read_text()
     assert again(runs[1]) == "3 NO-GX"
+    # found by the outside review: an index cut short after its last link, and one still
+    # linking a result deleted since, are built again too
+    whole = index.read_text()
+    index.write_text(whole[:whole.rindex(page) + len(page) + 10])
+    assert again(runs[1]) == "3 GX" and index.read_text().rstrip().endswith("</html>")
+    gone = next((settings.warehouse / "gx" / "uncommitted" / "validations").rglob(f"*/{runs[0]}/*/*.json"))
+    gone.unlink()
+    assert again(runs[1]) == "3 GX"
+    assert gone.relative_to(gone.parents[3]).with_suffix(".html").as_posix() not in index.read_text()
+    assert again(runs[1]) == "3 NO-GX"
+
+
+def test_an_index_linking_a_run_id_written_as_a_url_is_current(tmp_path):
+    """Found by the outside review: a run id holding ``:`` or ``+`` is linked quoted in the index
+    (``%3A``); read as it is, every report built the index again."""
+    from pipeline.stages import gx_project, validate
+    from tests.conftest import run_ingest
+
+    settings = Settings(warehouse=tmp_path / "wh", data_docs="report")
+    summary = run_ingest([write(tmp_path / "in" / "p.json", _bad_page(50))], settings, run_id="nightly:2026-12-08T00+00")
+    assert summary.status == "succeeded", summary
+    validate.build_data_docs(settings.warehouse, summary.run_id)
+    base = settings.warehouse / "gx" / "uncommitted"
+    assert "nightly%3A2026-12-08T00%2B00" in (base / "data_docs" / "local_site" / "index.html").read_text()
+    assert gx_project._index_current(base, base / "data_docs" / "local_site")

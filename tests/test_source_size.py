@@ -201,6 +201,19 @@ def test_the_renderer_starts_without_being_waited_for_and_answers_the_next_chart
         assert "featurehouse-marker" in drawer.draw(spec)
     finally:
         drawer._stop()
+    # found by the outside review: one that dies after it answered the warm-up (its engine had
+    # started) is started again, as one that had drawn a chart always was
+    answered = draw._Drawer()
+    try:
+        answered.warm()
+        import select
+
+        assert select.select([answered.proc.stdout], [], [], 120)[0]  # its answer is there
+        os.kill(answered.proc.pid, signal.SIGKILL)
+        answered.proc.wait()
+        assert "featurehouse-marker" in answered.draw(spec)
+    finally:
+        answered._stop()
     dying = draw._Drawer()
     try:
         dying.warm()

@@ -136,8 +136,9 @@ class _Drawer:
                     self.proc = self._spawn()
                 try:
                     while self.unread:  # the warm-up's answer (its chart is not wanted)
-                        self._answer(self.proc)
+                        code, _ = self._answer(self.proc)
                         self.unread -= 1
+                        self.drawn += code == b"k"  # it drew: one that dies after is started again
                     svg = self._ask(self.proc, spec)
                 except DrawerUnavailable as exc:
                     self._stop()

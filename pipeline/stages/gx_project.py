@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from glob import escape as glob_escape
 from pathlib import Path
@@ -299,18 +300,25 @@ def _pages_missing(base: Path, site: Path) -> bool:
                for p in base.glob("validations/*/*/*/*.json"))
 
 
+#: A validation page's link in the site's index (its path, quoted as a URL's: a run id may hold ``:``).
+_RESULT_LINK = re.compile(r"""validations/[^"'\s<>]+?\.html""")
+
+
 def _index_current(base: Path, site: Path) -> bool:
-    """Whether the site's index links every result and suite stored, each of which has its page:
-    read off the folders and the index's text, without Great Expectations, so that
-    ``featurehouse report`` of a run whose Data Docs are built costs no import of it (2.5-6
-    CPU-s). A result another process stored while the index was being built is not in its text:
-    the index is built again."""
+    """Whether the site's index is whole and links exactly the results stored, each of which has
+    its page, and each of featurehouse's suites: read off the folders and the index's text,
+    without Great Expectations, so that ``featurehouse report`` of a run whose Data Docs are
+    built costs no import of it (2.5-6 CPU-s). A result another process stored while the index
+    was being built is not in its text, nor is one deleted since gone from it: the index is
+    built again."""
     try:
         text = (site / "index.html").read_text(encoding="utf-8", errors="replace")
-        results = [p.relative_to(base).with_suffix(".html") for p in base.glob("validations/*/*/*/*.json")]
-        suites = [Path("expectations", p.name).with_suffix(".html") for p in base.parent.glob("expectations/*.json")]
-        return all(p.as_posix() in text and (site / p).exists() for p in results) and all(
-            p.as_posix() in text for p in suites)
+        if not text.rstrip().endswith("</html>"):  # cut short (a disk full while it was written)
+            return False
+        stored = {p.relative_to(base).with_suffix(".html").as_posix() for p in base.glob("validations/*/*/*/*.json")}
+        linked = {unquote(m) for m in _RESULT_LINK.findall(text)}
+        return (linked == stored and all((site / p).exists() for p in stored)
+                and all(f"expectations/{suite}.html" in text for suite in SUITES))
     except OSError:  # no index yet, or a file gone while looked at: build it
         return False
 
