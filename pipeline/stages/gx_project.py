@@ -345,7 +345,7 @@ def build_data_docs(project_dir: Path | str, run_id: str, *, index: bool = True)
     stored, of every run (~5 ms each, measured: 0.55 s of a one-page run with 99 stored, and
     an inbox run every few minutes stores ~3 more). Without it (a run's own report, written by
     ``ingest``) the index is built only when the site has none; ``featurehouse report`` and the
-    nightly DAG's report task refresh it (unless it links every result and suite stored already,
+    nightly DAG's report task refresh it (unless it is whole and links exactly the results stored,
     each with its page: ``_index_current``). Results waiting as JSON (``store_pending``) are
     recorded first: the run's, and with ``index`` every run's, with their pages, so that the
     index lists every run (an inbox run's too, which no report command names).
