@@ -1220,6 +1220,72 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
     _no_leftovers(dest)
 
 
+#: A process that holds the warehouse's SQLite catalog as one stopped while it rebuilds the catalog's
+#: WAL index (https://www.sqlite.org/walformat.html): the index open (its DMS byte, 128, shared), its
+#: WRITE, CKPT and RECOVER locks (bytes 120-122) held, its header not yet written. A publication's
+#: every read of the warehouse opens the catalog anew and, alone, rebuilds the index (strace: ~14
+#: rebuilds a publication); stopped in one (caught with strace after its catalog copy had begun) it
+#: held these, and every other reader of the catalog failed: "database is locked" (the index mapped,
+#: as here), or "locking protocol" after ~95 s of retries (a moment earlier: the index file emptied,
+#: which this cannot do under a reader that has it mapped, as the stopped publication may).
+_REBUILDING = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1] + "-shm", os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 128)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 3, 120)
+os.pwrite(fd, bytes(136), 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def _rebuilding_wal_index(settings: Settings):
+    """The warehouse's catalog held as by a process stopped while it rebuilds the WAL index, until the block ends."""
+    h = subprocess.Popen([sys.executable, "-c", _REBUILDING, str(settings.warehouse / "catalog.sqlite")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert h.stdout.readline().strip() == "held", h.communicate()[1]
+        yield
+    finally:
+        h.communicate()  # its stdin closed: it ends, and the next reader rebuilds the index
+
+
+def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_warehouse(built, tmp_path):
+    """Found on a loaded run of the test above: the second publication failed with SQLite's "locking
+    protocol" instead of "under way" (it opened the warehouse before it looked at the folder's lock,
+    and the first was stopped while it held the catalog, rebuilding its WAL index). With the first
+    stopped holding its lock and the catalog so held, the second is refused at once, naming it, and
+    the first finishes."""
+    root, settings, _ = built
+    dest = tmp_path / "busy"
+    pub.publish(settings, dest, formats=("ducklake",))
+    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
+            assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
+            time.sleep(0.001)
+        os.kill(a.pid, signal.SIGSTOP)
+        with _rebuilding_wal_index(settings):
+            started = time.monotonic()
+            b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)],
+                               capture_output=True, text=True)
+            took = time.monotonic() - started
+        assert b.returncode == 1 and "under way" in b.stderr and f"process {a.pid} on " in b.stderr, b.stderr
+        assert took < 30, f"refused after {took:.0f} s"
+        os.kill(a.pid, signal.SIGCONT)
+        _, err = a.communicate(timeout=120)
+        assert a.returncode == 0, err
+    finally:
+        if a.poll() is None:
+            os.kill(a.pid, signal.SIGCONT)
+            a.kill()
+            a.wait()
+    assert _what_readers_see(settings, dest)[0] == _latest(settings)
+
+
 def _hf_file(source: str, index: int, model: str = "gpt-oss-20b") -> str:
     """The hf layout's file for a feature of a table cut by source and feature (``publish_hf_files._chunk_sql``)."""
     import hashlib
