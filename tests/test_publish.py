@@ -1199,6 +1199,10 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
             assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
             time.sleep(0.001)
         os.kill(a.pid, signal.SIGSTOP)
+        while _rebuilding_its_wal_index(a.pid, settings):  # no reader reads the warehouse then (the test below)
+            os.kill(a.pid, signal.SIGCONT)
+            time.sleep(0.001)
+            os.kill(a.pid, signal.SIGSTOP)
         its = sorted(p.name for p in dest.rglob("*"))
         b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)], capture_output=True,
                            text=True)
@@ -1237,6 +1241,22 @@ os.pwrite(fd, bytes(136), 0)
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def _rebuilding_its_wal_index(pid: int, settings: Settings) -> bool:
+    """Whether process ``pid`` holds a lock of the catalog's WAL index for writing (/proc/locks): a
+    reader opening the catalog alone rebuilds the index, and if stopped meanwhile every other reader
+    fails (``_REBUILDING``): a dry run cannot read the warehouse then, whatever featurehouse does."""
+    time.sleep(0.01)  # (stopped: its locks are what they will stay)
+    try:
+        shm = os.stat(settings.warehouse / "catalog.sqlite-shm").st_ino
+    except FileNotFoundError:
+        return False
+    for line in Path("/proc/locks").read_text().splitlines():
+        f = line.split()  # 1: POSIX  ADVISORY  WRITE 1234 08:01:5678 120 122
+        if len(f) >= 8 and f[3] == "WRITE" and f[4] == str(pid) and int(f[5].rsplit(":", 1)[1]) == shm:
+            return True
+    return False
 
 
 @contextlib.contextmanager
