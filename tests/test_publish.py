@@ -1288,6 +1288,10 @@ def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_war
             assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
             time.sleep(0.001)
         os.kill(a.pid, signal.SIGSTOP)
+        while _rebuilding_its_wal_index(a.pid, settings):  # (then it holds what the helper takes)
+            os.kill(a.pid, signal.SIGCONT)
+            time.sleep(0.001)
+            os.kill(a.pid, signal.SIGSTOP)
         with _rebuilding_wal_index(settings):
             started = time.monotonic()
             b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)],
