@@ -131,10 +131,23 @@ def publish(settings: Settings, dest: str | os.PathLike, *, snapshot: int | None
 def _publish_folder(settings: Settings, dest: Path, *, snapshot: int | None, at: datetime | None,
                     tables: list[str] | None, formats: tuple[str, ...], url: str | None, license: str | None,
                     include_private: bool, dry_run: bool = False, lock: bool = False) -> Published:
-    """Publish into the folder ``dest`` (checked): ``lock``, taking its lock; without, its caller holds it."""
-    conn = warehouse_mod.connect(settings, read_only=True)
+    """Publish into the folder ``dest`` (checked): ``lock``, taking its lock; without, its caller holds it.
+
+    The lock of a folder that exists is taken before the warehouse is opened: a publication under
+    way there may be stopped (SIGSTOP, a debugger) while it holds the warehouse's SQLite catalog,
+    rebuilding its WAL index (each of its reads opens the catalog anew, and rebuilds it when alone),
+    and SQLite then fails every other reader ("database is locked", or "locking protocol" after
+    ~95 s of retries), where the next publication into that folder is to be refused at once,
+    naming it. (Any other reader of the warehouse fails the same: that is SQLite's own.) A folder
+    that does not exist holds no publication: it is made (and locked) only once the snapshot and
+    tables are known good, so a refused publication leaves no folder behind."""
     stack = contextlib.ExitStack()
+    conn = None
     try:
+        locked = lock and not dry_run and dest.is_dir()
+        if locked:
+            _lock(dest, stack)  # one publication into a folder at a time
+        conn = warehouse_mod.connect(settings, read_only=True)
         snap, snap_time = _snapshot(conn, snapshot, at)
         names = _tables(conn, snap, tables)
         if "hf" in formats:
@@ -142,8 +155,8 @@ def _publish_folder(settings: Settings, dest: Path, *, snapshot: int | None, at:
         spill = dest / f"{SCRATCH}{os.getpid()}-tmp"
         if not dry_run:
             dest.mkdir(parents=True, exist_ok=True)
-            if lock:
-                _lock(dest, stack)  # one publication into a folder at a time
+            if lock and not locked:
+                _lock(dest, stack)
             stack.callback(shutil.rmtree, spill, ignore_errors=True)  # before the lock is let go
             _sweep(dest)
             conn.execute(f"SET temp_directory = '{_q(str(spill))}'")
@@ -159,6 +172,7 @@ def _publish_folder(settings: Settings, dest: Path, *, snapshot: int | None, at:
         elif "hf" in formats and not out.tables:
             out.tables = [TableDone(t, _count(conn, f"{CATALOG}.main.{t} AT (VERSION => {snap})"), "whole") for t in names]
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
         stack.close()
     return out
