@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
 import os
 import resource
 import shutil
+import subprocess
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -303,3 +306,35 @@ def chromium():
             "--disable-sync", "--no-first-run", "--disable-quic"])
         yield b
         b.close()
+
+
+#: A process that holds the warehouse's SQLite catalog as one stopped while it rebuilds the catalog's
+#: WAL index (https://www.sqlite.org/walformat.html): the index open (its DMS byte, 128, shared), its
+#: WRITE, CKPT and RECOVER locks (bytes 120-122) held, its header not yet written. A publication's
+#: every read of the warehouse opens the catalog anew and, alone, rebuilds the index (strace: ~14
+#: rebuilds a publication); stopped in one (caught with strace after its catalog copy had begun) it
+#: held these, and every other reader of the catalog failed: "database is locked" (the index mapped,
+#: as here), or "locking protocol" after ~95 s of retries (a moment earlier: the index file emptied,
+#: which this cannot do under a reader that has it mapped, as the stopped publication may).
+_REBUILDING = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1] + "-shm", os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 128)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 3, 120)
+os.pwrite(fd, bytes(136), 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def catalog_held_rebuilding_wal_index(settings: Settings):
+    """The warehouse's catalog held as by a process stopped while it rebuilds the WAL index, until
+    the block ends; the process holding it is the block's value."""
+    h = subprocess.Popen([sys.executable, "-c", _REBUILDING, str(settings.warehouse / "catalog.sqlite")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert h.stdout.readline().strip() == "held", h.communicate()[1]
+        yield h
+    finally:
+        h.communicate()  # its stdin closed: it ends, and the next reader rebuilds the index

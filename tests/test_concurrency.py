@@ -26,7 +26,13 @@ import pytest
 from bench.generate import synthetic_page
 from pipeline.config import Settings
 from pipeline.lake import warehouse as wh
-from tests.conftest import META_COLUMNS, query, run_ingest, tables_rows
+from tests.conftest import (
+    META_COLUMNS,
+    catalog_held_rebuilding_wal_index,
+    query,
+    run_ingest,
+    tables_rows,
+)
 
 FEATUREHOUSE = Path(sys.executable).with_name("featurehouse")
 TABLES = ("features", "activations", "explanations", "models", "sources", "source_sets",
@@ -152,6 +158,32 @@ def _ran_at_once(warehouse: Path) -> None:
 
 
 @pytest.mark.heavy(45)
+def test_a_catalog_held_by_a_process_that_does_not_go_on_is_said_locked_not_damaged(tmp_path):
+    """Found while a publication was stopped mid-way (SIGSTOP, ^Z): a process that holds the
+    SQLite catalog's locks and does not go on keeps every reader out ("database is locked"), and
+    the message called the catalog damaged: "restore it from a backup, or move it away" (which
+    loses a sound warehouse). It says who holds it and what to do; once it is let go, all reads."""
+    warehouse = tmp_path / "wh"
+    ingest_here(warehouse, pages(tmp_path / "in", [1]))
+    # a reader with the WAL index mapped (as the stopped publication had): SQLite then says
+    # "database is locked" after its busy wait (~5 s), not "locking protocol" after ~95 s
+    mapped = subprocess.Popen([sys.executable, "-c", "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); "
+                               "c.execute('SELECT count(*) FROM sqlite_master').fetchall(); print('open', flush=True); "
+                               "sys.stdin.read()", str(warehouse / "catalog.sqlite")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert mapped.stdout.readline().strip() == "open"
+        with catalog_held_rebuilding_wal_index(Settings(warehouse=warehouse)) as holder:
+            held = fh("status", "--warehouse", str(warehouse))
+    finally:
+        mapped.communicate()
+    assert held.returncode == 1 and "Traceback" not in held.stderr, held.stderr
+    assert "is locked by process " in held.stderr and f"process {holder.pid}" in held.stderr, held.stderr
+    assert "not damaged" in held.stderr
+    assert "restore it from a backup" not in held.stderr and "move it away to" not in held.stderr
+    assert fh("status", "--warehouse", str(warehouse)).returncode == 0
+
+
 def test_two_concurrent_ingests_of_disjoint_corpora_give_the_union(tmp_path):
     one, two = pages(tmp_path / "one", range(0, 4)), pages(tmp_path / "two", range(100, 104))
     both = [start_ingest(tmp_path / "wh", one), start_ingest(tmp_path / "wh", two)]

@@ -33,7 +33,7 @@ from pipeline.config import Settings
 from pipeline.lake import warehouse as wh
 from pipeline.outputs import publish as pub
 from pipeline.outputs import publish_s3
-from tests.conftest import good_page, run_ingest, write
+from tests.conftest import catalog_held_rebuilding_wal_index, good_page, run_ingest, write
 from tests.s3_support import S3_ENV, moto_s3
 
 pytestmark = pytest.mark.xdist_group("publish")
@@ -1224,29 +1224,10 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
     _no_leftovers(dest)
 
 
-#: A process that holds the warehouse's SQLite catalog as one stopped while it rebuilds the catalog's
-#: WAL index (https://www.sqlite.org/walformat.html): the index open (its DMS byte, 128, shared), its
-#: WRITE, CKPT and RECOVER locks (bytes 120-122) held, its header not yet written. A publication's
-#: every read of the warehouse opens the catalog anew and, alone, rebuilds the index (strace: ~14
-#: rebuilds a publication); stopped in one (caught with strace after its catalog copy had begun) it
-#: held these, and every other reader of the catalog failed: "database is locked" (the index mapped,
-#: as here), or "locking protocol" after ~95 s of retries (a moment earlier: the index file emptied,
-#: which this cannot do under a reader that has it mapped, as the stopped publication may).
-_REBUILDING = """
-import fcntl, os, sys
-fd = os.open(sys.argv[1] + "-shm", os.O_RDWR | os.O_CREAT, 0o644)
-fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, 128)
-fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 3, 120)
-os.pwrite(fd, bytes(136), 0)
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
 def _rebuilding_its_wal_index(pid: int, settings: Settings) -> bool:
     """Whether process ``pid`` holds a lock of the catalog's WAL index for writing (/proc/locks): a
     reader opening the catalog alone rebuilds the index, and if stopped meanwhile every other reader
-    fails (``_REBUILDING``): a dry run cannot read the warehouse then, whatever featurehouse does."""
+    fails (``conftest.catalog_held_rebuilding_wal_index``): a dry run cannot read the warehouse then, whatever featurehouse does."""
     time.sleep(0.01)  # (stopped: its locks are what they will stay)
     try:
         shm = os.stat(settings.warehouse / "catalog.sqlite-shm").st_ino
@@ -1257,18 +1238,6 @@ def _rebuilding_its_wal_index(pid: int, settings: Settings) -> bool:
         if len(f) >= 8 and f[3] == "WRITE" and f[4] == str(pid) and int(f[5].rsplit(":", 1)[1]) == shm:
             return True
     return False
-
-
-@contextlib.contextmanager
-def _rebuilding_wal_index(settings: Settings):
-    """The warehouse's catalog held as by a process stopped while it rebuilds the WAL index, until the block ends."""
-    h = subprocess.Popen([sys.executable, "-c", _REBUILDING, str(settings.warehouse / "catalog.sqlite")],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert h.stdout.readline().strip() == "held", h.communicate()[1]
-        yield
-    finally:
-        h.communicate()  # its stdin closed: it ends, and the next reader rebuilds the index
 
 
 def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_warehouse(built, tmp_path):
@@ -1292,7 +1261,7 @@ def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_war
             os.kill(a.pid, signal.SIGCONT)
             time.sleep(0.001)
             os.kill(a.pid, signal.SIGSTOP)
-        with _rebuilding_wal_index(settings):
+        with catalog_held_rebuilding_wal_index(settings):
             started = time.monotonic()
             b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)],
                                capture_output=True, text=True)

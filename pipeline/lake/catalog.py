@@ -89,11 +89,38 @@ def _catalog_state(settings: Settings, conn: duckdb.DuckDBPyConnection | None = 
             raise BadCatalog(f"the warehouse's catalog {path} cannot be opened ({said}): this user may not write "
                              f"it or its folder {path.parent} (a read-only copy or mount?); give write access, or "
                              "open a writable copy") from None
+        if "database is locked" in str(exc) or "locking protocol" in str(exc):
+            # SQLite's own locks, held by a process that does not go on (stopped, hung): the
+            # catalog is sound, and moving it away would lose the warehouse
+            who = ", ".join(f"process {pid}" for pid in _lock_holders(path)) or "another process"
+            raise BadCatalog(f"the warehouse's catalog {path} is locked by {who} ({said}): a process that holds "
+                             "it and does not go on (stopped with Ctrl-Z or SIGSTOP, in a debugger, hung) keeps "
+                             "every other reader out; let it go on (`fg`, `kill -CONT PID`) or end it, then run "
+                             "again. The catalog is not damaged: do not move it away") from None
         raise BadCatalog(f"the warehouse's catalog {path} cannot be read as an SQLite database ({said}); "
                          "restore it from a backup, or move it away to start a new warehouse") from None
     finally:
         if own:
             probe.close()
+
+
+def _lock_holders(path: Path) -> list[int]:
+    """The processes holding a lock on the SQLite catalog ``path`` or its WAL index, from the
+    kernel's table of locks (Linux; elsewhere none are named), this one left out."""
+    inodes = set()
+    for f in (path, Path(f"{path}-shm"), Path(f"{path}-wal")):
+        with contextlib.suppress(OSError):
+            inodes.add(os.stat(f).st_ino)
+    pids: list[int] = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            f = line.split()  # 1: POSIX  ADVISORY  WRITE 1234 08:01:5678 120 122 (or "->" first: a waiter)
+            if f[1] == "->":
+                continue
+            pid, inode = int(f[4]), int(f[5].rsplit(":", 1)[1])
+            if inode in inodes and pid != os.getpid() and pid not in pids:
+                pids.append(pid)
+    return pids
 
 
 def _probe_catalog(probe: duckdb.DuckDBPyConnection, path: Path) -> tuple[bool, str | None]:
