@@ -1191,18 +1191,8 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
     pub.publish(settings, dest, formats=("ducklake",))
     run_ingest([write(tmp_path / "n" / "c.json", orjson.dumps(good_page(300_002)))], settings)
     snap = _latest(settings)
-    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    a = _stopped_mid_copy(settings, dest)
     try:
-        deadline = time.monotonic() + 60
-        while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
-            assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
-            time.sleep(0.001)
-        os.kill(a.pid, signal.SIGSTOP)
-        while _rebuilding_its_wal_index(a.pid, settings):  # no reader reads the warehouse then (the test below)
-            os.kill(a.pid, signal.SIGCONT)
-            time.sleep(0.001)
-            os.kill(a.pid, signal.SIGSTOP)
         its = sorted(p.name for p in dest.rglob("*"))
         b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)], capture_output=True,
                            text=True)
@@ -1222,6 +1212,27 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
             a.wait()
     assert _what_readers_see(settings, dest)[0] == snap
     _no_leftovers(dest)
+
+
+def _stopped_mid_copy(settings: Settings, dest: Path) -> subprocess.Popen:
+    """``featurehouse publish`` of the warehouse into ``dest`` in a process of its own, stopped
+    (SIGSTOP) once it holds the folder's lock and has begun its catalog copy, and not while it
+    rebuilds the catalog's WAL index: no reader could read the warehouse then, whatever
+    featurehouse does (``test_a_publication_under_way_is_refused_at_once...`` holds that state)."""
+    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
+        if a.poll() is not None or time.monotonic() > deadline:
+            a.kill()
+            raise AssertionError("the publication ended before it was stopped")
+        time.sleep(0.001)
+    os.kill(a.pid, signal.SIGSTOP)
+    while _rebuilding_its_wal_index(a.pid, settings):
+        os.kill(a.pid, signal.SIGCONT)
+        time.sleep(0.001)
+        os.kill(a.pid, signal.SIGSTOP)
+    return a
 
 
 def _rebuilding_its_wal_index(pid: int, settings: Settings) -> bool:
@@ -1249,18 +1260,8 @@ def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_war
     root, settings, _ = built
     dest = tmp_path / "busy"
     pub.publish(settings, dest, formats=("ducklake",))
-    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    a = _stopped_mid_copy(settings, dest)
     try:
-        deadline = time.monotonic() + 60
-        while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
-            assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
-            time.sleep(0.001)
-        os.kill(a.pid, signal.SIGSTOP)
-        while _rebuilding_its_wal_index(a.pid, settings):  # (then it holds what the helper takes)
-            os.kill(a.pid, signal.SIGCONT)
-            time.sleep(0.001)
-            os.kill(a.pid, signal.SIGSTOP)
         with catalog_held_rebuilding_wal_index(settings):
             started = time.monotonic()
             b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)],
