@@ -317,7 +317,7 @@ def _index_current(base: Path, site: Path) -> bool:
             return False
         stored = {p.relative_to(base).with_suffix(".html").as_posix() for p in base.glob("validations/*/*/*/*.json")}
         linked = {unquote(m) for m in _RESULT_LINK.findall(text)}
-        return (linked == stored and all((site / p).exists() for p in stored)
+        return (linked == stored and not _pages_missing(base, site)
                 and all(f"expectations/{suite}.html" in text for suite in SUITES))
     except OSError:  # no index yet, or a file gone while looked at: build it
         return False
