@@ -1,5 +1,6 @@
 """Statements with their values written in: ``literal`` writes one value as a DuckDB SQL literal,
-``bind`` a statement's placeholders, ``execute`` runs it (see the comment below for why)."""
+``bind`` a statement's placeholders, ``execute`` runs it, ``rows`` reads its rows (see the comment below
+for why)."""
 
 from __future__ import annotations
 
@@ -88,6 +89,14 @@ def execute(conn: duckdb.DuckDBPyConnection, sql: str,
             params: dict[str, Any] | list | tuple | None = None) -> duckdb.DuckDBPyConnection:
     """``conn.execute(sql, params)`` with the values written in (see ``bind``): no pandas."""
     return conn.execute(bind(sql, params))
+
+
+def rows(conn: duckdb.DuckDBPyConnection, sql: str,
+         params: dict[str, Any] | list | tuple | None = None) -> list[dict[str, Any]]:
+    """A statement's rows as dicts by column name, its values written in (``execute``): no pandas."""
+    cur = execute(conn, sql, params)
+    cols = [d[0] for d in cur.description]
+    return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
 def insert_values(conn: duckdb.DuckDBPyConnection, table: str, rows: list[dict], chunk: int = 2000) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 import duckdb
 
+from ..lake.sqltext import rows
 from . import draw
 
 __all__ = ["warm_charts"]
@@ -164,7 +165,7 @@ def _histogram(conn: duckdb.DuckDBPyConnection, values_sql: str, bins: int = 24,
     x = "log10(x)" if log else "x"
     pad = "0.25" if log else "greatest(abs(lo) * 0.05, 0.5)"
     edge = (lambda e: f"pow(10, {e})") if log else (lambda e: e)
-    bins = _records(conn, f"""
+    bins = rows(conn, f"""
         WITH v AS (SELECT source, data_source, {x}::DOUBLE AS x FROM ({values_sql})
                    WHERE x IS NOT NULL AND isfinite(x::DOUBLE){' AND x > 0' if log else ''}),
         top AS (SELECT source FROM v GROUP BY source ORDER BY count(*) DESC, source LIMIT {_MAX_SOURCES_CHARTED}),
@@ -181,11 +182,6 @@ def _histogram(conn: duckdb.DuckDBPyConnection, values_sql: str, bins: int = 24,
                           "WHERE x IS NOT NULL").fetchone()[0]
     return bins, int(hidden)
 
-
-def _records(conn: duckdb.DuckDBPyConnection, sql: str) -> list[dict[str, Any]]:
-    cur = conn.execute(sql)
-    cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
 #: Up to this many features the Chat vs Non-Chat chart draws a point each; past it, counts per
@@ -206,10 +202,10 @@ def _chat_pairs(conn: duckdb.DuckDBPyConnection, stats: str) -> dict[str, Any]:
     hi = float(hi or 0)
     hi = (hi * 1.05 if math.isfinite(hi * 1.05) else hi) or 1.0  # (1.75e308 * 1.05 is no number)
     if n <= _SCATTER_POINTS:
-        return {"n": n, "hi": hi, "points": _records(conn, pairs), "cells": None}
+        return {"n": n, "hi": hi, "points": rows(conn, pairs), "cells": None}
     k, step = _SCATTER_CELLS, hi / _SCATTER_CELLS
     cells = [{**c, "x0": c["cx"] * step, "x1": (c["cx"] + 1) * step, "y0": c["cy"] * step, "y1": (c["cy"] + 1) * step}
-             for c in _records(conn, f"""
+             for c in rows(conn, f"""
         SELECT least(floor(non_chat_max / {step}), {k - 1})::INTEGER AS cx,
                least(floor(chat_max / {step}), {k - 1})::INTEGER AS cy, count(*) AS count
         FROM ({pairs}) GROUP BY ALL ORDER BY ALL""")]  # in order: the same spec, the chart cache's hit

@@ -21,6 +21,7 @@ import duckdb
 
 from ..lake import runstate
 from ..lake import warehouse as warehouse_mod
+from ..lake.sqltext import rows  # (values written in: the short form needs no pandas)
 from ..names import BadRunId, check_run_id
 from .charts import _TREND_RUNS, _chat_pairs, _histogram
 from .verdict import VERDICT_RULES, verdict
@@ -38,12 +39,6 @@ class NoRuns(LookupError):
 
 class RunNotFound(LookupError):
     "No run with that id in the warehouse."
-
-
-def _rows(conn: duckdb.DuckDBPyConnection, sql: str, params: Any = None) -> list[dict[str, Any]]:
-    cur = warehouse_mod.execute(conn, sql, params)  # values written in: the short form needs no pandas
-    cols = [d[0] for d in cur.description]
-    return [dict(zip(cols, r)) for r in cur.fetchall()]
 
 
 def _by_number(col: str) -> str:
@@ -153,7 +148,7 @@ def _gather(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[str, A
     loaded (or, when it loaded nothing, over the whole warehouse) and the runs' trend."""
     ctx = _gather_run(conn, run)
     _gather_warehouse(conn, run, ctx)
-    ctx["trend"] = _rows(conn, _TREND_SQL, [run["started_at"], _TREND_RUNS])[::-1]
+    ctx["trend"] = rows(conn, _TREND_SQL, [run["started_at"], _TREND_RUNS])[::-1]
     return ctx
 
 
@@ -172,7 +167,7 @@ def _gather_quiet(conn: duckdb.DuckDBPyConnection, run: dict[str, Any], out_dir:
     Nothing here reads the warehouse's data tables, nothing is drawn: an unchanged re-run's
     report costs the same whatever the warehouse holds."""
     ctx = _gather_run(conn, run)
-    last = _rows(conn, """
+    last = rows(conn, """
         SELECT run_id, started_at, report_path FROM runs
         WHERE started_at <= ? AND run_id <> ? AND n_loaded > 0
         ORDER BY started_at DESC LIMIT 1""", [run["started_at"], run["run_id"]])
@@ -180,7 +175,7 @@ def _gather_quiet(conn: duckdb.DuckDBPyConnection, run: dict[str, Any], out_dir:
         page = _report_page(last[0], out_dir)
         last[0]["href"] = _rel(page, out_dir) if page is not None else None
     ctx["quiet"] = {"last_loaded": last[0] if last else None}
-    trend = _rows(conn, _TREND_SQL, [run["started_at"], _TREND_RUNS])
+    trend = rows(conn, _TREND_SQL, [run["started_at"], _TREND_RUNS])
     ctx["trend"] = trend[::-1]
     ctx["charts"], ctx["data_docs"] = {}, None
     return ctx
@@ -202,7 +197,7 @@ def _gather_run(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[st
     run_id = run["run_id"]
     ctx: dict[str, Any] = {"run": run, "verdict": verdict(run), "rules": VERDICT_RULES}
 
-    rejected = _rows(conn, """
+    rejected = rows(conn, """
         SELECT ri.origin, r.reason, r.landed_path, r.format, r.n_bytes, r.input_sha256
         FROM run_inputs ri JOIN raw_inputs r USING (input_sha256)
         WHERE ri.run_id = ? AND ri.outcome = 'rejected'""", [run_id])
@@ -213,13 +208,13 @@ def _gather_run(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[st
     ctx["rejected_groups"] = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
     ctx["n_rejected_listed"] = len(rejected)
 
-    ctx["fetch_failures"] = sorted(_rows(conn, f"""
+    ctx["fetch_failures"] = sorted(rows(conn, f"""
         SELECT url, feature_key, status, attempts, last_error, "window"
         FROM (SELECT *, regexp_extract(url, '[0-9]+[^0-9]*$') AS _tail FROM fetch_failures WHERE run_id = ?)
         ORDER BY status, {_by_number("url")} LIMIT ?""", [run_id, _MAX_ROWS_PER_GROUP]),
         key=lambda f: (f["status"], _natural_key(f["url"]), f["url"]))
 
-    exp = _rows(conn, """
+    exp = rows(conn, """
         SELECT suite, expectation, any_value(expectation_type) AS expectation_type,
                any_value(kwargs) AS kwargs, bool_and(success) AS success, count(*) AS n_batches,
                sum(element_count) AS element_count, sum(unexpected_count) AS unexpected_count,
@@ -238,7 +233,7 @@ def _gather_run(conn: duckdb.DuckDBPyConnection, run: dict[str, Any]) -> dict[st
         for name, items in suites.items()
     ]
 
-    quarantine = _rows(conn, f"""
+    quarantine = rows(conn, f"""
         SELECT q.check_name, q.record_kind, q.record_key, q.detail, q.record_json, r.origin,
                count(*) OVER (PARTITION BY q.check_name) AS n_in_check
         FROM (SELECT *, regexp_extract(record_key, '[0-9]+[^0-9]*$') AS _tail FROM quarantine WHERE run_id = ?) q
@@ -270,7 +265,7 @@ def _gather_warehouse(conn: duckdb.DuckDBPyConnection, run: dict[str, Any], ctx:
 
 
 def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any], t: dict[str, str]) -> None:
-    ctx["sources"] = _rows(conn, f"""
+    ctx["sources"] = rows(conn, f"""
         SELECT model_id, source_id, coalesce(data_source, '(none)') AS data_source,
                count(*) AS n_features, sum(n_examples) AS n_examples,
                sum(n_active_tokens) / nullif(sum(n_tokens), 0) AS active_token_fraction,
@@ -285,7 +280,7 @@ def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any], t: dict[st
         SELECT model_id || ' / ' || source_id AS source, '' AS data_source, frac_nonzero AS x
         FROM {t['features']} WHERE frac_nonzero > 0""", log=True)
     ctx["n_frac_zero"] = conn.execute(f"SELECT count(*) FROM {t['features']} WHERE frac_nonzero <= 0").fetchone()[0]
-    ctx["top_features"] = _rows(conn, f"""
+    ctx["top_features"] = rows(conn, f"""
         WITH best AS (
             SELECT model_id, source_id, feature_index,
                    arg_max(coalesce(data_source, '(none)'), max_activation) AS data_source,
@@ -302,7 +297,7 @@ def _statistics(conn: duckdb.DuckDBPyConnection, ctx: dict[str, Any], t: dict[st
         f["url"] = _feature_url(f)
         f["tokens"] = [tok["token"] for tok in (f["top_tokens"] or [])[:6]]
     ctx["chat_pairs"] = _chat_pairs(conn, t["stats"])
-    ctx["chat_extremes"] = _rows(conn, f"""
+    ctx["chat_extremes"] = rows(conn, f"""
         WITH pairs AS (
             SELECT c.model_id, c.source_id, c.feature_index, c.max_activation AS chat_max,
                    n.max_activation AS non_chat_max,
@@ -331,23 +326,22 @@ _RUN_EXTRA = """epoch(finished_at - started_at) AS seconds,
 def _runs(conn: duckdb.DuckDBPyConnection, tail: str, params: Any = None) -> list[dict[str, Any]]:
     """``runs`` rows with ``_RUN_EXTRA``, a run whose process is gone shown as abandoned (on
     read: nothing is written)."""
-    rows = _rows(conn, f"SELECT *, {_RUN_EXTRA} FROM runs {tail}", params)
-    return runstate.apply(rows, runstate.find_abandoned(conn))
+    runs = rows(conn, f"SELECT *, {_RUN_EXTRA} FROM runs {tail}", params)
+    return runstate.apply(runs, runstate.find_abandoned(conn))
 
 
 def recent_runs(conn: duckdb.DuckDBPyConnection, limit: int = 10) -> list[dict[str, Any]]:
     """The latest ``limit`` runs, newest first: every ``runs`` column, with ``status``
     'abandoned' for a run whose process is gone (see ``runstate``), and ``seconds``,
     ``n_fetch_failed``, ``n_fetch_not_found`` and ``verdict`` (a :class:`Verdict`)."""
-    rows = _runs(conn, "ORDER BY started_at DESC LIMIT ?", [int(limit)])
-    return [{**r, "verdict": verdict(r)} for r in rows]
+    return [{**r, "verdict": verdict(r)} for r in _runs(conn, "ORDER BY started_at DESC LIMIT ?", [int(limit)])]
 
 
 def _run_row(conn: duckdb.DuckDBPyConnection, run_id: str | None) -> dict[str, Any]:
-    rows = _runs(conn, "WHERE run_id = ?" if run_id else "ORDER BY started_at DESC LIMIT 1",
-                 [run_id] if run_id else None)
-    if rows:
-        return rows[0]
+    found = _runs(conn, "WHERE run_id = ?" if run_id else "ORDER BY started_at DESC LIMIT 1",
+                  [run_id] if run_id else None)
+    if found:
+        return found[0]
     if run_id:
         raise RunNotFound(f"no run {run_id!r} in the warehouse (see `featurehouse status`)")
     raise NoRuns("the warehouse has no runs yet: run `featurehouse ingest` first")
