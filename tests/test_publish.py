@@ -1191,8 +1191,7 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
     pub.publish(settings, dest, formats=("ducklake",))
     run_ingest([write(tmp_path / "n" / "c.json", orjson.dumps(good_page(300_002)))], settings)
     snap = _latest(settings)
-    a = _stopped_mid_copy(settings, dest)
-    try:
+    with _stopped_mid_copy(settings, dest) as a:  # (then let go on: it finishes whole)
         its = sorted(p.name for p in dest.rglob("*"))
         b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)], capture_output=True,
                            text=True)
@@ -1202,6 +1201,30 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
                            capture_output=True, text=True)
         assert d.returncode == 0, d.stderr
         assert sorted(p.name for p in dest.rglob("*")) == its
+    assert _what_readers_see(settings, dest)[0] == snap
+    _no_leftovers(dest)
+
+
+@contextlib.contextmanager
+def _stopped_mid_copy(settings: Settings, dest: Path):
+    """``featurehouse publish`` of the warehouse into ``dest`` in a process of its own (the
+    block's value), stopped (SIGSTOP) once it holds the folder's lock and has begun its catalog
+    copy, and not while it rebuilds the catalog's WAL index: no reader could read the warehouse
+    then, whatever featurehouse does (``test_a_publication_under_way_is_refused_at_once...``
+    holds that state). When the block ends it is let go on, and must finish (exit 0)."""
+    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
+            assert a.poll() is None and time.monotonic() < deadline, "the publication ended before it was stopped"
+            time.sleep(0.001)
+        os.kill(a.pid, signal.SIGSTOP)
+        while _rebuilding_its_wal_index(a.pid, settings):
+            os.kill(a.pid, signal.SIGCONT)
+            time.sleep(0.001)
+            os.kill(a.pid, signal.SIGSTOP)
+        yield a
         os.kill(a.pid, signal.SIGCONT)
         _, err = a.communicate(timeout=120)
         assert a.returncode == 0, err
@@ -1210,29 +1233,6 @@ def test_a_publication_under_way_is_named_and_left_alone(built, tmp_path):
             os.kill(a.pid, signal.SIGCONT)
             a.kill()
             a.wait()
-    assert _what_readers_see(settings, dest)[0] == snap
-    _no_leftovers(dest)
-
-
-def _stopped_mid_copy(settings: Settings, dest: Path) -> subprocess.Popen:
-    """``featurehouse publish`` of the warehouse into ``dest`` in a process of its own, stopped
-    (SIGSTOP) once it holds the folder's lock and has begun its catalog copy, and not while it
-    rebuilds the catalog's WAL index: no reader could read the warehouse then, whatever
-    featurehouse does (``test_a_publication_under_way_is_refused_at_once...`` holds that state)."""
-    a = subprocess.Popen([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse), "--format", "ducklake"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not any(dest.glob(f".featurehouse-{a.pid}-*.ducklake")):  # its lock held, its catalog copy begun
-        if a.poll() is not None or time.monotonic() > deadline:
-            a.kill()
-            raise AssertionError("the publication ended before it was stopped")
-        time.sleep(0.001)
-    os.kill(a.pid, signal.SIGSTOP)
-    while _rebuilding_its_wal_index(a.pid, settings):
-        os.kill(a.pid, signal.SIGCONT)
-        time.sleep(0.001)
-        os.kill(a.pid, signal.SIGSTOP)
-    return a
 
 
 def _rebuilding_its_wal_index(pid: int, settings: Settings) -> bool:
@@ -1260,8 +1260,7 @@ def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_war
     root, settings, _ = built
     dest = tmp_path / "busy"
     pub.publish(settings, dest, formats=("ducklake",))
-    a = _stopped_mid_copy(settings, dest)
-    try:
+    with _stopped_mid_copy(settings, dest) as a:  # (then let go on: it finishes whole)
         with catalog_held_rebuilding_wal_index(settings):
             started = time.monotonic()
             b = subprocess.run([*FH, "publish", str(dest), "--warehouse", str(settings.warehouse)],
@@ -1269,14 +1268,6 @@ def test_a_publication_under_way_is_refused_at_once_whatever_it_holds_of_the_war
             took = time.monotonic() - started
         assert b.returncode == 1 and "under way" in b.stderr and f"process {a.pid} on " in b.stderr, b.stderr
         assert took < 30, f"refused after {took:.0f} s"
-        os.kill(a.pid, signal.SIGCONT)
-        _, err = a.communicate(timeout=120)
-        assert a.returncode == 0, err
-    finally:
-        if a.poll() is None:
-            os.kill(a.pid, signal.SIGCONT)
-            a.kill()
-            a.wait()
     assert _what_readers_see(settings, dest)[0] == _latest(settings)
 
 
